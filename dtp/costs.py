@@ -1,0 +1,44 @@
+"""Closed-form communication costs. The book prints these numbers and the grader uses them as
+oracles; tests/test_costs.py checks each one against a count or a measurement.
+
+Conventions: S is the message size in bytes (the whole tensor each rank contributes), n the
+number of ranks, alpha the latency of one message in seconds, bandwidth in bytes per second.
+"""
+from __future__ import annotations
+
+
+def ring_all_reduce_bytes_per_rank(n: int, size_bytes: float) -> float:
+    """Bytes each rank sends in a ring all-reduce: (n-1)/n·S in the reduce-scatter, the same again
+    in the all-gather, so 2(n-1)/n·S in all (when S divides evenly into n chunks)."""
+    return 2 * (n - 1) / n * size_bytes
+
+
+def ring_all_reduce_time(n: int, size_bytes: float, alpha_s: float, bandwidth_bytes_per_s: float) -> float:
+    """alpha-beta model of a ring all-reduce: 2(n-1) sequential steps, each sending a chunk of
+    S/n bytes to the right neighbour: T = 2(n-1)·alpha + 2(n-1)/n · S/bandwidth."""
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * alpha_s + ring_all_reduce_bytes_per_rank(n, size_bytes) / bandwidth_bytes_per_s
+
+
+def algorithm_bandwidth(size_bytes: float, time_s: float) -> float:
+    """algbw = S / t, what a user sees: bytes reduced per second."""
+    return size_bytes / time_s
+
+
+def bus_bandwidth(size_bytes: float, time_s: float, n: int) -> float:
+    """busbw = algbw · 2(n-1)/n: the bytes each rank's link carried per second during a ring
+    all-reduce (the nccl-tests convention), comparable with the link's own bandwidth for any n."""
+    return algorithm_bandwidth(size_bytes, time_s) * 2 * (n - 1) / n
+
+
+def ddp_bucket_count(parameter_bytes: list[int], bucket_cap_bytes: int) -> int:
+    """All-reduces per step of bucketed data parallelism: walk the parameters' sizes in reverse
+    registration order (the order gradients become ready) and start a new bucket whenever the
+    next parameter would push the current one past the cap (an oversized parameter gets its own)."""
+    buckets, current = 0, 0
+    for size in reversed(parameter_bytes):
+        if current and current + size > bucket_cap_bytes:
+            buckets, current = buckets + 1, 0
+        current += size
+    return buckets + (1 if current else 0)

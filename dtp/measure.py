@@ -1,0 +1,42 @@
+"""Measurements the book makes at build time on a real gloo world."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .world import run_world
+
+
+def _time_all_reduce_on_rank(rank, world_size, all_reduce, sizes_bytes, repeats):
+    durations = []
+    for size in sizes_bytes:
+        tensor = torch.ones(size // 4)
+        all_reduce(tensor.clone())  # warm-up: connections and buffers
+        per_repeat = []
+        for _ in range(repeats):
+            work = tensor.clone()
+            dist.barrier()
+            started = time.perf_counter()
+            all_reduce(work)
+            per_repeat.append(time.perf_counter() - started)
+        durations.append(per_repeat)
+    return durations
+
+
+def all_reduce_times(all_reduce, world_size: int, sizes_bytes, repeats: int = 7) -> np.ndarray:
+    """Median time in seconds of `all_reduce(tensor)` for each size: a repeat lasts as long as its
+    slowest rank, and the median over repeats damps the noise of a shared machine."""
+    per_rank = run_world(_time_all_reduce_on_rank, world_size, (all_reduce, list(sizes_bytes), repeats),
+                         timeout_s=600, collective_timeout_s=120)
+    slowest = np.max(np.array(per_rank), axis=0)  # (sizes, repeats)
+    return np.median(slowest, axis=1)
+
+
+def fit_alpha_beta(n: int, sizes_bytes, times_s) -> tuple[float, float]:
+    """Least-squares fit of the ring model t = 2(n-1)·alpha + 2(n-1)/n·S/bandwidth;
+    returns (alpha in seconds, bandwidth in bytes per second)."""
+    slope, intercept = np.polyfit(np.asarray(sizes_bytes, dtype=float), np.asarray(times_s, dtype=float), 1)
+    return max(intercept, 0.0) / (2 * (n - 1)), 2 * (n - 1) / n / slope

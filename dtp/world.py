@@ -1,0 +1,148 @@
+"""Launch a real gloo world: `run_world(fn, world_size, args)` runs `fn(rank, world_size, *args)`
+in `world_size` forked processes that share one torch.distributed process group on 127.0.0.1.
+
+Forking (not spawning) lets the ranks run functions defined in a notebook or a grader sandbox.
+Every rank's return value comes back to the caller, in rank order. Failures come back as one
+`WorldError` naming the first rank that failed and why; the other ranks are killed at once, and
+when `run_world` returns or raises (also on Ctrl-C or its own timeout) no rank process is left.
+"""
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import pickle
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class WorldError(RuntimeError):
+    """A rank of a gloo world failed. `kind` is one of:
+    "raised" (the rank raised `exc_type`), "collective_timeout" (a collective waited past the
+    process-group timeout or lost its peer: some rank never joined it), "exited" (the process
+    ended without returning, e.g. os._exit or a crash), "timeout" (the whole world ran too long).
+    """
+
+    def __init__(self, kind: str, rank: int | None, message: str, exc_type: str = "", details: str = ""):
+        super().__init__(message)
+        self.kind, self.rank, self.exc_type, self.details = kind, rank, exc_type, details
+
+
+# Substrings of gloo's errors when a peer never joined a collective or already left it.
+_PEER_LOST_MARKERS = ("timed out", "timeout", "connection closed by peer", "connection reset", "broken pipe")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_entry(rank, fn, world_size, args, port, result_dir, collective_timeout_s):
+    """Body of one rank process: join the group, run fn, leave its outcome in result_dir."""
+    torch.set_num_threads(1)  # ranks share few cores; more threads would only contend
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout_s))
+        try:
+            outcome = ("ok", fn(rank, world_size, *args))
+        finally:
+            dist.destroy_process_group()
+        payload = pickle.dumps(outcome)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit from student code is a failure too
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        payload = pickle.dumps(("error", type(exc).__name__, message, traceback.format_exc()))
+    path = os.path.join(result_dir, f"rank{rank}.pkl")
+    with open(path + ".tmp", "wb") as f:
+        f.write(payload)
+    os.replace(path + ".tmp", path)  # the launcher never reads a half-written outcome
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _read_outcome(result_dir: str, rank: int):
+    try:
+        with open(os.path.join(result_dir, f"rank{rank}.pkl"), "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def _failure(rank: int, exitcode: int | None, outcome) -> WorldError:
+    if outcome is None:
+        how = f"exit code {exitcode}" if exitcode is None or exitcode >= 0 else f"signal {-exitcode}"
+        return WorldError("exited", rank, f"rank {rank} ended without returning a result ({how})")
+    _, exc_type, message, details = outcome
+    message = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", message)  # drop gloo's source-file prefix
+    lowered = message.lower()
+    if exc_type in ("RuntimeError", "DistBackendError") and any(m in lowered for m in _PEER_LOST_MARKERS):
+        return WorldError("collective_timeout", rank,
+                          f"rank {rank} waited in a collective that another rank never joined "
+                          f"(deadlock, mismatched send/recv, or a rank that returned early): {message[:160]}",
+                          exc_type, details)
+    return WorldError("raised", rank, f"rank {rank} raised {exc_type}: {message[:300]}", exc_type, details)
+
+
+def run_world(fn, world_size: int, args: tuple = (), *, timeout_s: float = 60.0,
+              collective_timeout_s: float = 20.0) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return their results in rank order.
+
+    `collective_timeout_s` bounds each collective (the process-group timeout); `timeout_s` bounds
+    the whole world. Raises `WorldError` if any rank fails; all rank processes are gone on return.
+    """
+    if not 1 <= world_size <= 64:
+        raise ValueError(f"world_size must be between 1 and 64, got {world_size}")
+    for attempt in range(3):
+        try:
+            return _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s)
+        except WorldError as err:
+            # Another program took the port between free_port() and rank 0 binding it: retry.
+            if "address already in use" in str(err).lower() and attempt < 2:
+                continue
+            raise
+
+
+def _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s):
+    result_dir = tempfile.mkdtemp(prefix="dtp-world-")
+    context = None
+    try:
+        context = mp.start_processes(
+            _rank_entry, args=(fn, world_size, args, free_port(), result_dir, collective_timeout_s),
+            nprocs=world_size, join=False, start_method="fork")
+        waiting = {proc.sentinel: rank for rank, proc in enumerate(context.processes)}
+        deadline = time.monotonic() + timeout_s
+        results = [None] * world_size
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                ranks = sorted(waiting.values())
+                raise WorldError("timeout", ranks[0],
+                                 f"the world ran past {timeout_s:g}s; ranks {ranks} had not finished")
+            for sentinel in multiprocessing.connection.wait(list(waiting), timeout=remaining):
+                rank = waiting.pop(sentinel)
+                proc = context.processes[rank]
+                proc.join()
+                outcome = _read_outcome(result_dir, rank)
+                if outcome is None or outcome[0] != "ok":
+                    raise _failure(rank, proc.exitcode, outcome)
+                results[rank] = outcome[1]
+        return results
+    finally:
+        if context is not None:
+            for proc in context.processes:
+                if proc.is_alive():
+                    proc.kill()
+            for proc in context.processes:
+                proc.join()
+        shutil.rmtree(result_dir, ignore_errors=True)

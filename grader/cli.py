@@ -1,0 +1,74 @@
+"""`python -m grader PATH... [--json FILE] [--only ID...] [--timeout SECONDS]`"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from .notebook import UnusableInput
+from .registry import all_exercise_ids
+from .report import format_table, write_json
+
+EXIT_GRADED, EXIT_UNUSABLE_INPUT, EXIT_INTERRUPTED = 0, 2, 130
+
+
+def _notebook_paths(paths: list[str]) -> list[Path]:
+    found = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            notebooks = sorted(p for p in path.glob("*.ipynb") if not p.name.startswith("."))
+            if not notebooks:
+                raise UnusableInput(f"{path}: folder holds no .ipynb notebook")
+            found.extend(notebooks)
+        else:
+            found.append(path)
+    return found
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m grader", description="Grade course notebooks.")
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="a notebook or a folder of notebooks")
+    parser.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
+    parser.add_argument("--only", nargs="+", metavar="ID", help="grade only these exercise ids")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS", help="time limit per exercise")
+    return parser
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the sandboxes' cleanup runs and no process is left behind.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    from .grading import grade_notebook  # imports torch: after argument errors are reported
+
+    try:
+        if args.timeout is not None and args.timeout <= 0:
+            raise UnusableInput(f"--timeout must be positive, got {args.timeout:g}")
+        if args.only:
+            unknown = sorted(set(args.only) - set(all_exercise_ids()))
+            if unknown:
+                raise UnusableInput(f"unknown exercise id(s): {', '.join(unknown)}")
+        reports = []
+        for path in _notebook_paths(args.paths):
+            report = grade_notebook(str(path), args.only, args.timeout)
+            print(format_table(report), flush=True)
+            reports.append(report)
+        if len(reports) > 1:
+            print(f"total {sum(r.score for r in reports)}/{sum(r.max_score for r in reports)}")
+        if args.json:
+            write_json(reports, args.json)
+    except UnusableInput as exc:
+        print(f"grader: {exc}", file=sys.stderr)
+        return EXIT_UNUSABLE_INPUT
+    except OSError as exc:
+        print(f"grader: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_UNUSABLE_INPUT
+    except KeyboardInterrupt:
+        print("grader: interrupted; nothing was left running", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_GRADED

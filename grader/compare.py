@@ -1,0 +1,55 @@
+"""Assertions for checks, each failing with feedback a learner can act on."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class CheckFailed(AssertionError):
+    """The learner's answer is wrong; the message says how."""
+
+
+def expect(condition: bool, feedback: str) -> None:
+    if not condition:
+        raise CheckFailed(feedback)
+
+
+def as_numpy(value, what: str) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (int, float, np.number)):
+        return np.asarray(value)
+    raise CheckFailed(f"{what} should be an array or tensor, but it is a {type(value).__name__}")
+
+
+def expect_close(actual, expected, what: str, *, rtol: float = 1e-5, atol: float = 1e-6,
+                 check_dtype: bool = True) -> None:
+    """`actual` must have the shape (and dtype) of `expected`, be finite, and match it."""
+    expected_np = as_numpy(expected, "the reference")
+    actual_np = as_numpy(actual, what)
+    if actual_np.shape != expected_np.shape:
+        raise CheckFailed(f"{what} has shape {actual_np.shape}, expected {expected_np.shape}")
+    if check_dtype and actual_np.dtype != expected_np.dtype:
+        raise CheckFailed(f"{what} has dtype {actual_np.dtype}, expected {expected_np.dtype}")
+    if actual_np.dtype.kind in "fc" and not np.all(np.isfinite(actual_np)):
+        raise CheckFailed(f"{what} contains NaN or inf")
+    if not np.allclose(actual_np, expected_np, rtol=rtol, atol=atol):
+        error = np.abs(actual_np.astype(np.float64) - expected_np.astype(np.float64))
+        worst = np.unravel_index(np.argmax(error), error.shape) if error.ndim else ()
+        raise CheckFailed(
+            f"{what} differs from the reference: at index {tuple(int(i) for i in worst)} it is "
+            f"{actual_np[worst]:.6g} instead of {expected_np[worst]:.6g} (max abs error {error.max():.3g})")
+
+
+def expect_number(actual, expected: float, what: str, *, rel: float = 1e-6) -> None:
+    """A scalar answer within a relative tolerance, with the ratio reported when it is off."""
+    if isinstance(actual, (bool, np.bool_)) or not isinstance(actual, (int, float, np.integer, np.floating)):
+        raise CheckFailed(f"{what} should be a number, but it is a {type(actual).__name__}")
+    actual = float(actual)
+    if not np.isfinite(actual):
+        raise CheckFailed(f"{what} is {actual}, not a finite number")
+    if not np.isclose(actual, expected, rtol=rel, atol=0.0):
+        ratio = actual / expected if expected else float("inf")
+        raise CheckFailed(f"{what} is {actual:.6g}, expected {expected:.6g} (yours is {ratio:.4g}x the answer)")

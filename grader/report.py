@@ -1,0 +1,55 @@
+"""Results of grading, as the CLI table and as the JSON report of the contract in DESIGN.md."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+STATUSES = ("passed", "failed", "error", "timeout", "missing")
+_MARKS = {"passed": "✓", "failed": "✗", "error": "!", "timeout": "⏱", "missing": "·"}
+
+
+@dataclass
+class ExerciseResult:
+    id: str
+    points: int
+    max_points: int
+    status: str
+    feedback: str
+
+    def line(self) -> str:
+        """The one line shown by `check(...)` in a notebook."""
+        return f"{_MARKS[self.status]} {self.id} [{self.status}, {self.points}/{self.max_points}]: {self.feedback}"
+
+
+@dataclass
+class NotebookReport:
+    path: str
+    chapter: str
+    score: int = 0
+    max_score: int = 0
+    elapsed_s: float = 0.0
+    exercises: list[ExerciseResult] = field(default_factory=list)
+
+    def add(self, result: ExerciseResult) -> None:
+        self.exercises.append(result)
+        self.score += result.points
+        self.max_score += result.max_points
+
+
+def format_table(report: NotebookReport, width: int = 110) -> str:
+    id_width = max([len("exercise")] + [len(r.id) for r in report.exercises])
+    rows = [f"{report.path}  (chapter {report.chapter})",
+            f"  {'exercise':<{id_width}}  points  {'status':<8} feedback"]
+    for r in report.exercises:
+        points = f"{r.points}/{r.max_points}"
+        prefix = f"  {r.id:<{id_width}}  {points:>6}  {r.status:<8} "
+        feedback = r.feedback if len(prefix) + len(r.feedback) <= width else r.feedback[: width - len(prefix) - 1] + "…"
+        rows.append(prefix + feedback)
+    rows.append(f"  total {report.score}/{report.max_score} in {report.elapsed_s:.1f}s")
+    return "\n".join(rows)
+
+
+def write_json(reports: list[NotebookReport], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"notebooks": [asdict(r) for r in reports]}, f, indent=2)
+        f.write("\n")

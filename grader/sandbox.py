@@ -1,0 +1,68 @@
+"""Run a function in a forked child process with a time limit, and leave nothing behind.
+
+The child becomes the leader of a new process group, so every process it starts (the ranks of a
+gloo world) can be killed with it in one `killpg`, on success, timeout, crash or Ctrl-C.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+
+@dataclass
+class ChildOutcome:
+    kind: str  # "returned", "timeout" or "crashed"
+    value: object = None
+    exitcode: int | None = None
+
+
+def _child_main(task, writer) -> None:
+    os.setpgid(0, 0)
+    # The learner's prints must not interleave with the grader's report or a kernel's streams.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as this short process
+    sys.stderr = sys.stdout
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        writer.send(task())
+    finally:
+        writer.close()
+        os._exit(0)  # skip the parent's atexit handlers (a notebook kernel's, pytest's)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_isolated(task, timeout_s: float) -> ChildOutcome:
+    """Run `task()` (which must return something picklable) in a forked child process group."""
+    context = multiprocessing.get_context("fork")
+    reader, writer = context.Pipe(duplex=False)
+    child = context.Process(target=_child_main, args=(task, writer), daemon=False)
+    child.start()
+    try:
+        os.setpgid(child.pid, child.pid)  # also here, so a kill right after start finds the group
+    except (ProcessLookupError, PermissionError):
+        pass
+    writer.close()
+    try:
+        if not reader.poll(timeout_s):
+            return ChildOutcome("timeout")
+        try:
+            return ChildOutcome("returned", reader.recv())
+        except EOFError:
+            child.join()
+            return ChildOutcome("crashed", exitcode=child.exitcode)
+    finally:
+        _kill_group(child.pid)
+        child.kill()
+        child.join()
+        reader.close()

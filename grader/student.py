@@ -1,0 +1,54 @@
+"""The learner's code as the checks see it: a namespace whose missing names explain themselves."""
+from __future__ import annotations
+
+from .notebook import Definitions, extract_definitions, read_notebook
+
+
+class MissingDefinition(Exception):
+    """A name an exercise needs is not defined (not written yet, or its cell failed)."""
+
+
+class StudentCode:
+    """Attribute access to the learner's definitions: `student.ring_all_reduce`."""
+
+    def __init__(self, namespace: dict, problems: dict[str, str] | None = None):
+        self._namespace = namespace
+        self._problems = problems or {}  # name -> why it could not be defined
+
+    @classmethod
+    def from_definitions(cls, definitions: Definitions) -> "StudentCode":
+        """Execute a notebook's graded definitions (call this only inside a sandbox child)."""
+        namespace: dict = {"__name__": "__notebook__"}
+        problems: dict[str, str] = {}
+        for statement in definitions.statements:
+            try:
+                exec(statement.compile(), namespace)  # noqa: S102 - this is what a grader does
+            except BaseException as exc:  # noqa: BLE001 - SystemExit in a definition is the learner's
+                reason = _one_line(exc)
+                for name in statement.names:
+                    problems[name] = f"cell {statement.cell_index} raised {reason}"
+        for index, message in definitions.syntax_errors.items():
+            problems.setdefault(f"<cell {index}>", f"cell {index} has a syntax error ({message})")
+        return cls(namespace, problems)
+
+    @classmethod
+    def from_notebook(cls, path: str, answer_names=()) -> "StudentCode":
+        """Run a notebook's graded definitions in this process: for trusted notebooks only, such
+        as the book using the course's own solutions (the grader always uses a sandbox)."""
+        return cls.from_definitions(extract_definitions(read_notebook(path), answer_names))
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in self._namespace:
+            return self._namespace[name]
+        if name in self._problems:
+            raise MissingDefinition(f"`{name}` is not defined: {self._problems[name]}")
+        syntax = [why for key, why in self._problems.items() if key.startswith("<cell")]
+        hint = f" ({syntax[0]}, so it was skipped)" if syntax else ""
+        raise MissingDefinition(f"`{name}` is not defined in the notebook{hint}")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__

@@ -32,13 +32,20 @@ def bus_bandwidth(size_bytes: float, time_s: float, n: int) -> float:
     return algorithm_bandwidth(size_bytes, time_s) * 2 * (n - 1) / n
 
 
-def ddp_bucket_count(parameter_bytes: list[int], bucket_cap_bytes: int) -> int:
-    """All-reduces per step of bucketed data parallelism: walk the parameters' sizes in reverse
-    registration order (the order gradients become ready) and start a new bucket whenever the
-    next parameter would push the current one past the cap (an oversized parameter gets its own)."""
-    buckets, current = 0, 0
+def ddp_bucket_sizes(parameter_bytes: list[int], bucket_cap_bytes: int) -> list[int]:
+    """Bytes of each bucket of bucketed data parallelism, in the order they fill: walk the
+    parameters' sizes in reverse registration order (the order gradients become ready) and start
+    a new bucket whenever the next parameter would push the current one past the cap (a parameter
+    larger than the cap gets a bucket of its own). One all-reduce per bucket per step."""
+    buckets: list[int] = []
     for size in reversed(parameter_bytes):
-        if current and current + size > bucket_cap_bytes:
-            buckets, current = buckets + 1, 0
-        current += size
-    return buckets + (1 if current else 0)
+        if buckets and buckets[-1] and buckets[-1] + size <= bucket_cap_bytes:
+            buckets[-1] += size
+        else:
+            buckets.append(size)
+    return buckets
+
+
+def ddp_bucket_count(parameter_bytes: list[int], bucket_cap_bytes: int) -> int:
+    """All-reduces per step of bucketed data parallelism (see ddp_bucket_sizes)."""
+    return len(ddp_bucket_sizes(parameter_bytes, bucket_cap_bytes))

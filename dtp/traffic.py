@@ -12,7 +12,7 @@ class TrafficCounter:
 
     def __init__(self):
         self.bytes_sent = 0
-        self.all_reduce_calls = []  # kwargs of each call
+        self.all_reduce_calls = []  # per call: its async_op flag and its tensor's bytes
         self._originals = {}
 
     def __enter__(self):
@@ -31,7 +31,8 @@ class TrafficCounter:
 
         def counted_all_reduce(original):
             def all_reduce(tensor, *args, **kwargs):
-                self.all_reduce_calls.append({"async_op": kwargs.get("async_op", len(args) >= 3 and args[2])})
+                self.all_reduce_calls.append({"async_op": kwargs.get("async_op", len(args) >= 3 and args[2]),
+                                              "bytes": tensor.numel() * tensor.element_size()})
                 return original(tensor, *args, **kwargs)
             return all_reduce
 

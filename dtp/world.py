@@ -41,6 +41,11 @@ class WorldError(RuntimeError):
 _PEER_LOST_MARKERS = ("timed out", "timeout", "connection closed by peer", "connection reset", "broken pipe")
 
 
+# Which failure to report when several ranks fail: the cause before its consequences.
+_FAILURE_PRIORITY = {"raised": 0, "exited": 1, "collective_timeout": 2, "timeout": 3}
+_GRACE_AFTER_FAILURE_S = 1.0
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -122,10 +127,12 @@ def _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s):
             nprocs=world_size, join=False, start_method="fork")
         waiting = {proc.sentinel: rank for rank, proc in enumerate(context.processes)}
         deadline = time.monotonic() + timeout_s
-        results = [None] * world_size
+        results, failures = [None] * world_size, []
         while waiting:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if failures:
+                    break
                 ranks = sorted(waiting.values())
                 raise WorldError("timeout", ranks[0],
                                  f"the world ran past {timeout_s:g}s; ranks {ranks} had not finished")
@@ -135,8 +142,14 @@ def _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s):
                 proc.join()
                 outcome = _read_outcome(result_dir, rank)
                 if outcome is None or outcome[0] != "ok":
-                    raise _failure(rank, proc.exitcode, outcome)
-                results[rank] = outcome[1]
+                    if not failures:  # the ranks that lost their peer fail within moments; hear them out
+                        deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
+                    failures.append(_failure(rank, proc.exitcode, outcome))
+                else:
+                    results[rank] = outcome[1]
+        if failures:
+            # The root cause (an exception, a vanished rank) explains more than its peers' lost connections.
+            raise min(failures, key=lambda f: (_FAILURE_PRIORITY[f.kind], f.rank))
         return results
     finally:
         if context is not None:

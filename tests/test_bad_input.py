@@ -1,0 +1,152 @@
+"""Bad input gets a documented status and a one-line message; the other exercises are still
+graded; the notebook is byte-identical afterwards; and no process is left behind."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import REPO, grade, live_processes_with_marker, solution_path
+
+RING_TIME_OK = "dp.ring_time"
+
+
+def cli(*args, marker=None, **kwargs):
+    env = {**os.environ, "DTP_TEST_MARKER": marker or uuid.uuid4().hex}
+    return subprocess.run([sys.executable, "-m", "grader", *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=300, **kwargs)
+
+
+def assert_one_line_error(completed, fragment):
+    assert completed.returncode == 2
+    assert completed.stdout == ""
+    lines = completed.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in completed.stderr, completed.stderr
+    assert fragment in lines[0]
+
+
+def test_missing_path(tmp_path):
+    assert_one_line_error(cli(tmp_path / "nope.ipynb"), "no such file")
+
+
+def test_file_that_is_not_json(tmp_path):
+    path = tmp_path / "broken.ipynb"
+    path.write_text("this is { not json")
+    assert_one_line_error(cli(path), "not valid JSON")
+
+
+def test_json_that_is_not_a_notebook(tmp_path):
+    path = tmp_path / "list.ipynb"
+    path.write_text(json.dumps({"hello": [1, 2, 3]}))
+    assert_one_line_error(cli(path), "not a notebook")
+
+
+def test_notebook_of_no_known_chapter(tmp_path):
+    notebook = json.loads(solution_path("dp").read_text())
+    notebook["metadata"]["dtp"]["chapter"] = "quantum"
+    path = tmp_path / "quantum.ipynb"
+    path.write_text(json.dumps(notebook))
+    assert_one_line_error(cli(path), "chapter 'quantum' is unknown")
+    del notebook["metadata"]["dtp"]
+    path.write_text(json.dumps(notebook))
+    assert_one_line_error(cli(path), "names no chapter")
+
+
+def test_unknown_exercise_id_and_empty_folder(tmp_path):
+    assert_one_line_error(cli(solution_path("dp"), "--only", "dp.nonsense"), "unknown exercise id")
+    assert_one_line_error(cli(tmp_path), "no .ipynb")
+
+
+BROKEN_STUDENT_CODE = {
+    "syntax error": ("ring_all_reduce_numpy", "def ring_all_reduce_numpy(arrays):\n    return [arrays,\n",
+                     "missing", "syntax error"),
+    "exception": ("ring_all_reduce_numpy", "def ring_all_reduce_numpy(arrays):\n    return arrays[len(arrays)]\n",
+                  "error", "IndexError"),
+    "infinite loop": ("ring_all_reduce_numpy", "def ring_all_reduce_numpy(arrays):\n    while True:\n        pass\n",
+                      "timeout", "stopped after"),
+    "sys.exit": ("ring_all_reduce_numpy", "import sys\ndef ring_all_reduce_numpy(arrays):\n    sys.exit(3)\n",
+                 "error", "sys.exit(3)"),
+    "os._exit": ("ring_all_reduce_numpy", "import os\ndef ring_all_reduce_numpy(arrays):\n    os._exit(0)\n",
+                 "error", "ended abruptly"),
+    "os._exit in a rank": ("ring_all_reduce", "import os\ndef ring_all_reduce(tensor):\n    os._exit(0)\n",
+                           "error", "ended without returning"),
+    "rank raises": ("ring_all_reduce", "def ring_all_reduce(tensor):\n    raise ValueError('boom')\n",
+                    "error", "raised ValueError: boom"),
+    "rank never joins": ("ring_all_reduce",
+                         "def ring_all_reduce(tensor):\n    if dist.get_rank() == 0:\n        dist.recv(tensor, 1)\n",
+                         "timeout", "never joined"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_STUDENT_CODE))
+def test_broken_code_costs_only_its_exercise(tmp_notebook, case):
+    name, source, status, fragment = BROKEN_STUDENT_CODE[case]
+    exercise_id = "dp.ring_allreduce_numpy" if name == "ring_all_reduce_numpy" else "dp.ring_allreduce_gloo"
+    path = tmp_notebook("dp", {name: source})
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    # The exercise's time limit must exceed the checks' collective timeout (8 s) for a deadlock
+    # to be reported as one, rather than as the sandbox's generic time-out.
+    results = grade(path, exercise_id, RING_TIME_OK, timeout_s=4 if case == "infinite loop" else 30)
+    assert results[exercise_id].status == status, results[exercise_id]
+    assert fragment in results[exercise_id].feedback
+    assert "\n" not in results[exercise_id].feedback
+    assert results[RING_TIME_OK].status == "passed"  # the rest of the notebook is still graded
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+
+
+def test_top_level_demo_code_is_not_run_by_the_grader(tmp_notebook):
+    """Cells that train, plot or exit at top level are the learner's experiments, not definitions."""
+    path = tmp_notebook("dp", {}, extra_cells=["import os\nos._exit(1)", "while True:\n    pass"])
+    assert grade(path, RING_TIME_OK)[RING_TIME_OK].status == "passed"
+
+
+def test_no_process_survives_a_timeout_or_deadlock(tmp_notebook):
+    path = tmp_notebook("dp", {
+        "ring_all_reduce_numpy": "def ring_all_reduce_numpy(arrays):\n    while True:\n        pass\n",
+        "ring_all_reduce": "def ring_all_reduce(tensor):\n    while True:\n        pass\n"})
+    marker = uuid.uuid4().hex
+    completed = cli(path, "--only", "dp.ring_allreduce_numpy", "dp.ring_allreduce_gloo", "--timeout", "4", marker=marker)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.count("timeout") == 2
+    assert live_processes_with_marker(marker) == []
+
+
+def test_ctrl_c_stops_everything(tmp_notebook):
+    path = tmp_notebook("dp", {"ring_all_reduce": "def ring_all_reduce(tensor):\n    while True:\n        pass\n"})
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "DTP_TEST_MARKER": marker}
+    grader = subprocess.Popen([sys.executable, "-m", "grader", str(path), "--only", "dp.ring_allreduce_gloo"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(live_processes_with_marker(marker)) < 4 and time.monotonic() < deadline:  # grader, sandbox, 2 ranks
+        time.sleep(0.2)
+    assert len(live_processes_with_marker(marker)) >= 4
+    grader.send_signal(signal.SIGINT)
+    _, stderr = grader.communicate(timeout=30)
+    assert grader.returncode == 130
+    assert stderr.strip().splitlines() == ["grader: interrupted; nothing was left running"]
+    time.sleep(0.5)
+    assert live_processes_with_marker(marker) == []
+
+
+def test_two_graders_at_once(tmp_path):
+    markers = [uuid.uuid4().hex for _ in range(2)]
+    reports = [tmp_path / f"report{i}.json" for i in range(2)]
+    graders = [subprocess.Popen([sys.executable, "-m", "grader", str(solution_path("dp")), "--only",
+                                 "dp.ring_allreduce_gloo", "dp.ddp_by_hand", "--json", str(report)],
+                                cwd=REPO, env={**os.environ, "DTP_TEST_MARKER": marker},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for marker, report in zip(markers, reports)]
+    for grader in graders:
+        grader.communicate(timeout=300)
+        assert grader.returncode == 0
+    for report in reports:
+        notebook = json.loads(report.read_text())["notebooks"][0]
+        assert notebook["score"] == notebook["max_score"] == 4
+    for marker in markers:
+        assert live_processes_with_marker(marker) == []

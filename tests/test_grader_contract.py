@@ -1,0 +1,94 @@
+"""The contracts of DESIGN.md: solutions score full marks, untouched exercises zero, the CLI's
+exit codes and JSON report, and the in-notebook `check`."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CHAPTER_NOTEBOOKS, EXERCISES, REPO, SOLUTIONS
+
+CHAPTERS = sorted(CHAPTER_NOTEBOOKS)
+
+
+def run_cli(*args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "grader", *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO, timeout=300, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def both_reports(tmp_path_factory):
+    """One CLI run over both folders, as an instructor would grade them."""
+    report_path = tmp_path_factory.mktemp("report") / "report.json"
+    completed = run_cli(SOLUTIONS, EXERCISES, "--json", report_path)
+    assert completed.returncode == 0, completed.stderr
+    return completed, json.loads(report_path.read_text())
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_solutions_score_full_marks(both_reports, chapter):
+    _, report = both_reports
+    notebook = next(nb for nb in report["notebooks"] if nb["path"] == str(SOLUTIONS / CHAPTER_NOTEBOOKS[chapter]))
+    assert notebook["chapter"] == chapter
+    assert notebook["max_score"] > 0 and notebook["score"] == notebook["max_score"], notebook
+    assert all(ex["status"] == "passed" for ex in notebook["exercises"])
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_untouched_exercises_score_zero_without_crashing(both_reports, chapter):
+    _, report = both_reports
+    notebook = next(nb for nb in report["notebooks"] if nb["path"] == str(EXERCISES / CHAPTER_NOTEBOOKS[chapter]))
+    assert notebook["score"] == 0 and notebook["max_score"] > 0
+    assert {ex["status"] for ex in notebook["exercises"]} == {"missing"}, notebook["exercises"]
+    assert all("not implemented" in ex["feedback"] or "not defined" in ex["feedback"] for ex in notebook["exercises"])
+
+
+def test_json_report_has_the_documented_shape(both_reports):
+    _, report = both_reports
+    assert set(report) == {"notebooks"}
+    for notebook in report["notebooks"]:
+        assert set(notebook) == {"path", "chapter", "score", "max_score", "elapsed_s", "exercises"}
+        assert notebook["score"] == sum(ex["points"] for ex in notebook["exercises"])
+        for exercise in notebook["exercises"]:
+            assert set(exercise) == {"id", "points", "max_points", "status", "feedback"}
+            assert exercise["status"] in {"passed", "failed", "error", "timeout", "missing"}
+            assert exercise["id"].startswith(notebook["chapter"] + ".")
+
+
+def test_table_lists_every_exercise_and_totals(both_reports):
+    completed, report = both_reports
+    for notebook in report["notebooks"]:
+        for exercise in notebook["exercises"]:
+            assert exercise["id"] in completed.stdout
+        assert f"total {notebook['score']}/{notebook['max_score']}" in completed.stdout
+
+
+def test_only_grades_the_named_exercises(tmp_path):
+    report_path = tmp_path / "r.json"
+    completed = run_cli(SOLUTIONS / "02_data_parallel.ipynb", "--only", "dp.ring_time", "dp.interview", "--json", report_path)
+    assert completed.returncode == 0
+    ids = [ex["id"] for ex in json.loads(report_path.read_text())["notebooks"][0]["exercises"]]
+    assert ids == ["dp.ring_time", "dp.interview"]
+
+
+def test_in_notebook_check_prints_one_verdict_line(capsys):
+    from grader import check
+
+    namespace_module = sys.modules["__main__"]
+    definitions = {"bus_bandwidth": lambda size_bytes, time_s, n: size_bytes / time_s * 2 * (n - 1) / n}
+    saved = {name: getattr(namespace_module, name) for name in definitions if hasattr(namespace_module, name)}
+    try:
+        for name, value in definitions.items():
+            setattr(namespace_module, name, value)
+        check("dp.bus_bandwidth")
+        check("dp.ring_time")
+        check("dp.bus_bandwith")
+    finally:
+        for name in definitions:
+            delattr(namespace_module, name)
+        for name, value in saved.items():
+            setattr(namespace_module, name, value)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("✓ dp.bus_bandwidth [passed, 1/1]")
+    assert lines[1].startswith("· dp.ring_time [missing, 0/1]: `ring_allreduce_time` is not defined")
+    assert lines[2] == "unknown exercise id 'dp.bus_bandwith'; did you mean 'dp.bus_bandwidth'?"

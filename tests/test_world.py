@@ -1,0 +1,72 @@
+"""dtp.world: a real gloo world whose failures come back as one WorldError, leaving no process."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtp.world import WorldError, run_world
+
+
+def live_children() -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] not in ("Z", "X"):
+            children.append(int(entry))
+    return children
+
+
+def sum_of_ranks(rank, world_size, scale):
+    tensor = torch.tensor([float(rank) * scale])
+    dist.all_reduce(tensor)
+    return rank, tensor.item()
+
+
+def test_results_come_back_in_rank_order():
+    assert run_world(sum_of_ranks, 3, (2.0,)) == [(0, 6.0), (1, 6.0), (2, 6.0)]
+    assert live_children() == []
+
+
+def raises_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise KeyError("lost")
+    dist.barrier()
+
+
+def skips_the_collective(rank, world_size):
+    if rank:
+        dist.all_reduce(torch.ones(1))
+
+
+def exits_silently(rank, world_size):
+    if rank == 0:
+        os._exit(0)
+    dist.barrier()
+
+
+def spins(rank, world_size):
+    while True:
+        pass
+
+
+@pytest.mark.parametrize("fn, kind, fragment", [
+    (raises_on_rank_one, "raised", "rank 1 raised KeyError"),
+    (skips_the_collective, "collective_timeout", "never joined"),
+    (exits_silently, "exited", "rank 0 ended without returning"),
+    (spins, "timeout", "ran past 2s"),
+])
+def test_failures_are_reported_and_cleaned_up(fn, kind, fragment):
+    started = time.monotonic()
+    with pytest.raises(WorldError) as caught:
+        run_world(fn, 3, timeout_s=2, collective_timeout_s=1.5)
+    assert caught.value.kind == kind and fragment in str(caught.value)
+    assert time.monotonic() - started < 10
+    assert live_children() == []

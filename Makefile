@@ -21,7 +21,7 @@ book: $(STAMP)
 
 test: book
 	$(BIN)/python -m grader.release --check
-	$(BIN)/python -m pytest tests solutions --nbval --sanitize-with tests/nbval_sanitize.cfg
+	$(BIN)/python -m pytest tests solutions --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 # For authors: re-run the solutions (storing their outputs) and rebuild notebooks/ from them.
 release: $(STAMP)

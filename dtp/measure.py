@@ -40,3 +40,15 @@ def fit_alpha_beta(n: int, sizes_bytes, times_s) -> tuple[float, float]:
     returns (alpha in seconds, bandwidth in bytes per second)."""
     slope, intercept = np.polyfit(np.asarray(sizes_bytes, dtype=float), np.asarray(times_s, dtype=float), 1)
     return max(intercept, 0.0) / (2 * (n - 1)), 2 * (n - 1) / n / slope
+
+
+def training_flops_counted(model: torch.nn.Module, batch: int, seq: int) -> int:
+    """FLOPs of one forward and backward pass as PyTorch's FlopCounterMode counts them (matrix
+    multiplies). Build the model on the meta device and nothing is computed or allocated."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    device = next(model.parameters()).device
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    with FlopCounterMode(display=False) as counter:
+        model(tokens).sum().backward()
+    return counter.get_total_flops()

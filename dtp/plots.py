@@ -1,9 +1,6 @@
 """Figures the book draws from build-time measurements."""
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg")  # figures are rendered into the book, never shown in a window
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -32,4 +29,29 @@ def bandwidth_figure(n: int, sizes_bytes, times_by_label: dict, model: tuple[flo
     axis.legend()
     figure.tight_layout()
     plt.close(figure)  # glue displays it; keep it out of the cell's own output
+    return figure
+
+
+MEMORY_COLOURS = {"weights": "#4c72b0", "gradients": "#dd8452", "optimizer states": "#55a868", "activations": "#c44e52"}
+
+
+def memory_breakdown_figure(breakdowns: dict[str, dict[str, float]], device_gb: float = 80.0):
+    """One GPU's memory (GB = 10⁹ bytes) for each labelled set-up, as a stacked bar on its own
+    linear axis (set-ups differ by orders of magnitude), with the device's capacity dashed."""
+    figure, axes = plt.subplots(len(breakdowns), 1, figsize=(8, 1.1 * len(breakdowns) + 0.9), squeeze=False)
+    for axis, (label, breakdown) in zip(axes[:, 0], breakdowns.items()):
+        left = 0.0
+        for component, colour in MEMORY_COLOURS.items():
+            width = breakdown.get(component, 0.0) / 1e9
+            axis.barh(0, width, left=left, color=colour, label=component)
+            left += width
+        axis.axvline(device_gb, color="black", linestyle="--", linewidth=1)
+        axis.set_xlim(0, max(left, device_gb) * 1.18)
+        axis.text(left, 0, f" {left:,.1f} GB", va="center")
+        axis.set_yticks([0], [label])
+        axis.set_xlabel("GB per GPU (dashed: one 80 GB GPU)" if axis is axes[-1, 0] else None)
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    figure.legend(handles, names, loc="upper center", ncol=len(names), frameon=False)
+    figure.tight_layout(rect=(0, 0, 1, 0.9))
+    plt.close(figure)
     return figure

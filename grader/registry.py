@@ -8,6 +8,7 @@ from typing import Callable
 
 # Chapter name -> module holding its checks. The chapter is also the exercise id prefix.
 CHAPTER_MODULES = {
+    "memory": "grader.checks.memory",
     "dp": "grader.checks.dp",
 }
 

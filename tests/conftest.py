@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SOLUTIONS, EXERCISES = REPO / "solutions", REPO / "notebooks"
-CHAPTER_NOTEBOOKS = {"dp": "02_data_parallel.ipynb"}
+CHAPTER_NOTEBOOKS = {"memory": "01_memory.ipynb", "dp": "02_data_parallel.ipynb"}
 
 
 def solution_path(chapter: str) -> Path:

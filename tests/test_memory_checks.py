@@ -1,0 +1,127 @@
+"""Every check of the memory chapter rejects plausible wrong answers, naming the mistake."""
+import pytest
+
+from conftest import grade
+
+PARAM_COUNT = '''
+def gpt_parameter_count(config):
+    h, bias = config.hidden, {BIAS}
+    width = config.mlp_ratio * h
+    layer_norm = h + bias * h
+    attention = (h * 3 * h + bias * 3 * h) + (h * h + bias * h)
+    mlp = (h * width + bias * width) + (width * h + bias * h)
+    block = 2 * layer_norm + attention + mlp
+    embeddings = config.vocab_size * h + {POSITIONS}
+    output = {OUTPUT}
+    return {TOTAL}
+'''
+RIGHT_COUNT = dict(BIAS="int(config.bias)", POSITIONS="config.n_positions * h",
+                   OUTPUT="0 if config.tied_embeddings else config.vocab_size * h",
+                   TOTAL="embeddings + config.n_layers * block + layer_norm + output")
+
+
+def count_variant(**changes):
+    return PARAM_COUNT.format(**{**RIGHT_COUNT, **changes})
+
+
+def test_param_count_template_passes(tmp_notebook):
+    result = grade(tmp_notebook("memory", {"gpt_parameter_count": count_variant()}), "memory.param_count")
+    assert result["memory.param_count"].status == "passed"
+
+
+@pytest.mark.parametrize("changes, feedback", [
+    (dict(POSITIONS="0"), "position embeddings"),
+    (dict(OUTPUT="config.vocab_size * h"), "count the token embedding once"),
+    (dict(OUTPUT="0"), "has its own vocab_size × hidden matrix"),
+    (dict(BIAS="1"), "with bias=False no Linear or LayerNorm has a bias"),
+    (dict(TOTAL="embeddings + config.n_layers * block + output"), "final LayerNorm"),
+    (dict(TOTAL="float(embeddings + config.n_layers * block + layer_norm + output)"), "should return an int"),
+], ids=["no-positions", "tied-counted-twice", "untied-head-missing", "biases-always", "no-final-norm", "float"])
+def test_param_count_rejects(tmp_notebook, changes, feedback):
+    result = grade(tmp_notebook("memory", {"gpt_parameter_count": count_variant(**changes)}), "memory.param_count")
+    assert result["memory.param_count"].status == "failed"
+    assert feedback in result["memory.param_count"].feedback
+
+
+MODEL_STATES = '''
+def model_state_memory(n_params, recipe, unit):
+    bytes_per_parameter = {BYTES}
+    units = {UNITS}
+    return n_params * bytes_per_parameter[recipe] / units[unit]
+'''
+RIGHT_BYTES = '{"fp32_adam": 16, "mixed_adam": 16, "mixed_adam_fp32_grad_accum": 20, "mixed_sgd_momentum": 12}'
+RIGHT_UNITS = '{"B": 1, "MB": 1e6, "GB": 1e9, "TB": 1e12, "GiB": 2**30, "TiB": 2**40}'
+
+
+@pytest.mark.parametrize("bytes_table, units, feedback", [
+    (RIGHT_BYTES, '{"B": 1, "MB": 1e6, "GB": 1e9, "TB": 1e12, "GiB": 1e9, "TiB": 1e12}', "is in GB, not GiB"),
+    (RIGHT_BYTES, '{"B": 1, "MB": 2**20, "GB": 2**30, "TB": 2**40, "GiB": 2**30, "TiB": 2**40}', "is in MiB, not MB"),
+    ('{"fp32_adam": 16, "mixed_adam": 16, "mixed_adam_fp32_grad_accum": 16, "mixed_sgd_momentum": 16}', RIGHT_UNITS, "expected"),
+    ('{"fp32_adam": 16, "mixed_adam": 16, "mixed_adam_fp32_grad_accum": 18, "mixed_sgd_momentum": 12}', RIGHT_UNITS, "mixed_adam_fp32_grad_accum"),
+], ids=["gb-for-gib", "gib-for-gb", "always-16", "grad-accum-18"])
+def test_model_states_reject(tmp_notebook, bytes_table, units, feedback):
+    source = MODEL_STATES.format(BYTES=bytes_table, UNITS=units)
+    result = grade(tmp_notebook("memory", {"model_state_memory": source}), "memory.model_states")["memory.model_states"]
+    assert result.status == "failed" and feedback in result.feedback
+
+
+ACTIVATIONS = '''
+def activation_bytes_per_layer(seq, batch, hidden, heads, tensor_parallel=1, sequence_parallel=False, recompute="none"):
+    s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel
+    if recompute == "full":
+        return {FULL}
+    unsplit = {UNSPLIT}
+    attention = {ATTENTION}
+    return s * b * h * (unsplit + attention)
+'''
+RIGHT_ACTIVATIONS = dict(FULL="2 * s * b * h", UNSPLIT="34 / t if sequence_parallel else 10 + 24 / t",
+                         ATTENTION='0 if recompute == "selective" else 5 * a * s / (h * t)')
+
+
+@pytest.mark.parametrize("changes, feedback", [
+    (dict(ATTENTION="0"), "leaves out attention"),
+    (dict(UNSPLIT="34 / t"), "not divided by t"),
+    (dict(ATTENTION='0 if recompute == "selective" else 5 * a * s / h'), "expected"),
+    (dict(FULL="2 * s * b * h / t"), "expected"),
+], ids=["no-attention-term", "sequence-parallel-always", "attention-not-split", "full-divided"])
+def test_activations_reject(tmp_notebook, changes, feedback):
+    source = ACTIVATIONS.format(**{**RIGHT_ACTIVATIONS, **changes})
+    result = grade(tmp_notebook("memory", {"activation_bytes_per_layer": source}), "memory.activations")["memory.activations"]
+    assert result.status == "failed" and feedback in result.feedback
+
+
+TIME = '''
+def training_days(n_params, n_tokens, n_gpus, peak_flops_per_gpu, mfu):
+    return {DAYS}
+
+
+def mfu(n_params, tokens_per_s, n_gpus, peak_flops_per_gpu):
+    return {MFU}
+'''
+RIGHT_DAYS = "6 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu * mfu) / 86400"
+RIGHT_MFU = "6 * n_params * tokens_per_s / (n_gpus * peak_flops_per_gpu)"
+
+
+@pytest.mark.parametrize("days, utilization, feedback", [
+    ("2 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu * mfu) / 86400", RIGHT_MFU, "not 2N"),
+    ("6 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu * mfu)", RIGHT_MFU, "in seconds"),
+    ("6 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu) / 86400", RIGHT_MFU, "expected"),
+    (RIGHT_DAYS, "6 * n_params * tokens_per_s / peak_flops_per_gpu", "mfu("),
+], ids=["2N", "seconds", "no-mfu", "mfu-one-gpu"])
+def test_training_time_rejects(tmp_notebook, days, utilization, feedback):
+    source = TIME.format(DAYS=days, MFU=utilization)
+    result = grade(tmp_notebook("memory", {"training_days": source}), "memory.training_time")["memory.training_time"]
+    assert result.status == "failed" and feedback in result.feedback
+
+
+@pytest.mark.parametrize("answers, feedback", [
+    ("interview_70b_model_states_tb = 70e9 * 16 / 2**40\ninterview_largest_model_on_80gb = 5e9\ninterview_gpt3_days = 22.8",
+     "interview_70b_model_states_tb"),
+    ("interview_70b_model_states_tb = 1.12\ninterview_largest_model_on_80gb = 80e9 / 20\ninterview_gpt3_days = 22.8",
+     "interview_largest_model_on_80gb"),
+    ("interview_70b_model_states_tb = 1.12\ninterview_largest_model_on_80gb = 5e9\ninterview_gpt3_days = 22.8 / 3",
+     "interview_gpt3_days"),
+], ids=["tib-for-tb", "20-bytes", "2N-days"])
+def test_interview_rejects(tmp_notebook, answers, feedback):
+    result = grade(tmp_notebook("memory", {"interview_70b_model_states_tb": answers}), "memory.interview")["memory.interview"]
+    assert result.status == "failed" and feedback in result.feedback

@@ -1,0 +1,73 @@
+"""The memory chapter's formulas (dtp.memory) against real torch models and PyTorch's own counters."""
+import numpy as np
+import pytest
+import torch
+
+from dtp import memory
+from dtp.activations import saved_activation_bytes
+from dtp.gpt import GPT, GPT2_SMALL, GPT3_175B, Block, GPTConfig, build_on_meta, count_parameters
+from dtp.measure import training_flops_counted
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_parameter_count_matches_numel(seed):
+    rng = np.random.default_rng(seed)
+    heads = int(rng.choice([1, 2, 4]))
+    config = GPTConfig(vocab_size=int(rng.integers(10, 500)), n_positions=int(rng.integers(4, 300)),
+                       n_layers=int(rng.integers(1, 4)), hidden=heads * int(rng.integers(2, 16)), n_heads=heads,
+                       mlp_ratio=int(rng.choice([1, 4])), tied_embeddings=bool(seed % 2), bias=bool(seed % 3))
+    assert memory.gpt_parameter_count(config) == count_parameters(GPT(config))
+
+
+@pytest.mark.parametrize("config", [GPT2_SMALL, GPT3_175B], ids=["gpt2-small", "gpt3-175b"])
+def test_megatron_formula_is_exact_but_for_the_final_layernorm(config):
+    exact = count_parameters(build_on_meta(config))
+    formula = memory.megatron_parameter_formula(config.n_layers, config.hidden, config.vocab_size, config.n_positions)
+    assert exact == memory.gpt_parameter_count(config)
+    assert exact - formula == pytest.approx(2 * config.hidden, abs=1e-3 * exact * 1e-9 + 1)
+
+
+def test_gpt2_small_has_its_famous_124m_parameters():
+    assert count_parameters(build_on_meta(GPT2_SMALL)) == 124_439_808
+
+
+def test_fp32_adam_keeps_16_bytes_per_parameter():
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    n = sum(p.numel() for p in model.parameters())
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+    tensors += [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
+    assert sum(t.numel() * t.element_size() for t in tensors) == memory.model_state_memory(n, "fp32_adam")
+
+
+@pytest.mark.parametrize("s, b, h, a", [(64, 2, 128, 4), (128, 1, 256, 8)])
+def test_saved_activations_are_the_formula_plus_the_explained_extras(s, b, h, a):
+    block = Block(GPTConfig(hidden=h, n_heads=a, dropout=0.1)).to(torch.bfloat16).train()
+    x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+    extras = (a * s * s * b + 2 * s * b * h) + s * s + 2 * 2 * s * b * 2  # bf16 dropout masks, causal mask, LN stats
+    assert saved_activation_bytes(block, x) == memory.activation_bytes_per_layer(s, b, h, a) + extras
+    assert saved_activation_bytes(block, x, recompute_fully=True) == memory.activation_bytes_per_layer(s, b, h, a, recompute="full")
+
+
+def test_activation_variants_agree_when_nothing_is_parallel():
+    args = (2048, 2, 4096, 32)
+    baseline = 2048 * 2 * 4096 * (34 + 5 * 32 * 2048 / 4096)
+    assert memory.activation_bytes_per_layer(*args) == baseline
+    assert memory.activation_bytes_per_layer(*args, tensor_parallel=1, sequence_parallel=True) == baseline
+    assert memory.activation_bytes(24, *args) == 24 * baseline
+    with pytest.raises(ValueError):
+        memory.activation_bytes_per_layer(*args, recompute="some")
+
+
+@pytest.mark.parametrize("config, seq", [(GPT2_SMALL, 1024), (GPTConfig(n_layers=3, hidden=64, n_heads=4, mlp_ratio=2), 50)])
+def test_training_flops_formula_matches_pytorchs_flop_counter(config, seq):
+    assert training_flops_counted(build_on_meta(config), 2, seq) == memory.transformer_training_flops(config, 2, seq)
+
+
+def test_training_time_and_mfu_are_consistent():
+    n, tokens, gpus, peak, mfu = 7e9, 1e12, 256, 9.89e14, 0.41
+    seconds = memory.training_time_s(n, tokens, gpus, peak, mfu)
+    assert memory.model_flops_utilization(n, tokens / seconds, gpus, peak) == pytest.approx(mfu)
+    assert memory.training_flops(n, tokens) == 6 * n * tokens

@@ -1,9 +1,10 @@
 """Reading a learner's notebook (never writing it) and taking its graded definitions out of it.
 
-Graded definitions are the top-level imports, functions and classes of the code cells, plus
-assignments to UPPER_CASE constants and to the answer names a chapter declares. Everything else
-(demo calls, plots, `check(...)` lines, training loops) is left out, so grading does not re-run
-a learner's experiments.
+Graded definitions are the top-level imports, functions and classes of the code cells, plus the
+assignments that they need: to UPPER_CASE constants, to the answer names a chapter declares, and
+to any name that a kept function, class or assignment reads (`chunk_count = 4` used inside a
+function). Everything else (demo calls, plots, `check(...)` lines, training loops whose results
+nothing reads) is left out, so grading does not re-run a learner's experiments.
 """
 from __future__ import annotations
 
@@ -72,21 +73,47 @@ def _defined_names(node: ast.stmt) -> tuple[str, ...]:
         return (node.name,)
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         return tuple((alias.asname or alias.name).split(".")[0] for alias in node.names)
-    if isinstance(node, ast.Assign):
-        return tuple(t.id for t in node.targets if isinstance(t, ast.Name))
-    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-        return (node.target.id,)
-    return ()
+    return tuple(_assigned_names(node) or ())
 
 
-def _is_graded(node: ast.stmt, answer_names: frozenset[str]) -> bool:
-    if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return True
+_ALWAYS_KEPT = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _assigned_names(node: ast.stmt) -> list[str] | None:
+    """Names a plain assignment binds, or None for anything else (tuple targets included)."""
     if isinstance(node, (ast.Assign, ast.AnnAssign)):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
         names = [t.id for t in targets if isinstance(t, ast.Name)]
-        return len(names) == len(targets) and all(n.isupper() or n in answer_names for n in names)
-    return False
+        if len(names) == len(targets):
+            return names
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple) \
+            and all(isinstance(e, ast.Name) for e in node.targets[0].elts):
+        return [e.id for e in node.targets[0].elts]
+    return None
+
+
+def _names_read(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def _graded_statements(nodes: list[tuple[int, ast.stmt]], answer_names: frozenset[str]) -> list[tuple[int, ast.stmt]]:
+    """Definitions, and the assignments they (transitively) read, in notebook order."""
+    kept = {i for i, (_, node) in enumerate(nodes) if isinstance(node, _ALWAYS_KEPT)}
+    needed: set[str] = set()
+    for i in kept:
+        needed |= _names_read(nodes[i][1])
+    changed = True
+    while changed:  # an assignment that is kept may read another one
+        changed = False
+        for i, (_, node) in enumerate(nodes):
+            names = _assigned_names(node)
+            if i in kept or names is None:
+                continue
+            if any(n.isupper() or n in answer_names or n in needed for n in names):
+                kept.add(i)
+                needed |= _names_read(node)
+                changed = True
+    return [nodes[i] for i in sorted(kept)]
 
 
 def _python_source(cell_source: str) -> str:
@@ -96,8 +123,8 @@ def _python_source(cell_source: str) -> str:
 
 
 def extract_definitions(notebook: nbformat.NotebookNode, answer_names=frozenset()) -> Definitions:
-    answer_names = frozenset(answer_names)
     found = Definitions()
+    top_level: list[tuple[int, ast.stmt]] = []
     for index, cell in enumerate(notebook.cells):
         if cell.cell_type != "code" or not cell.source.strip():
             continue
@@ -106,7 +133,7 @@ def extract_definitions(notebook: nbformat.NotebookNode, answer_names=frozenset(
         except SyntaxError as exc:
             found.syntax_errors[index] = f"line {exc.lineno}: {exc.msg}"
             continue
-        for node in tree.body:
-            if _is_graded(node, answer_names):
-                found.statements.append(Definition(index, node, _defined_names(node)))
+        top_level.extend((index, node) for node in tree.body)
+    for index, node in _graded_statements(top_level, frozenset(answer_names)):
+        found.statements.append(Definition(index, node, _defined_names(node)))
     return found

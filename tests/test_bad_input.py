@@ -150,3 +150,15 @@ def test_two_graders_at_once(tmp_path):
         assert notebook["score"] == notebook["max_score"] == 4
     for marker in markers:
         assert live_processes_with_marker(marker) == []
+
+
+def test_module_level_helpers_that_functions_read_are_kept(tmp_notebook):
+    """A learner's lowercase helper variable is kept because their function reads it; a demo
+    assignment that nothing reads is not run."""
+    path = tmp_notebook("dp", {"bus_bandwidth": (
+        "ring_factor = lambda n: 2 * (n - 1) / n\n"
+        "scale = 1.0\n"
+        "never_read = __import__('os')._exit(1)\n"
+        "def bus_bandwidth(size_bytes, time_s, n):\n"
+        "    return size_bytes / time_s * ring_factor(n) * scale\n")})
+    assert grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"].status == "passed"

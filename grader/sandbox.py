@@ -1,14 +1,17 @@
 """Run a function in a forked child process with a time limit, and leave nothing behind.
 
 The child becomes the leader of a new process group, so every process it starts (the ranks of a
-gloo world) can be killed with it in one `killpg`, on success, timeout, crash or Ctrl-C.
+gloo world) can be killed with it in one `killpg`, on success, timeout, crash or Ctrl-C. Its
+temporary files go to a folder the parent creates and removes, so a killed child leaves none.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass
 
 
@@ -19,8 +22,10 @@ class ChildOutcome:
     exitcode: int | None = None
 
 
-def _child_main(task, writer) -> None:
+def _child_main(task, writer, scratch_dir: str) -> None:
     os.setpgid(0, 0)
+    tempfile.tempdir = scratch_dir
+    os.environ["TMPDIR"] = scratch_dir
     # The learner's prints must not interleave with the grader's report or a kernel's streams.
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
@@ -46,7 +51,8 @@ def run_isolated(task, timeout_s: float) -> ChildOutcome:
     """Run `task()` (which must return something picklable) in a forked child process group."""
     context = multiprocessing.get_context("fork")
     reader, writer = context.Pipe(duplex=False)
-    child = context.Process(target=_child_main, args=(task, writer), daemon=False)
+    scratch_dir = tempfile.mkdtemp(prefix="dtp-sandbox-")
+    child = context.Process(target=_child_main, args=(task, writer, scratch_dir), daemon=False)
     child.start()
     try:
         os.setpgid(child.pid, child.pid)  # also here, so a kill right after start finds the group
@@ -66,3 +72,4 @@ def run_isolated(task, timeout_s: float) -> ChildOutcome:
         child.kill()
         child.join()
         reader.close()
+        shutil.rmtree(scratch_dir, ignore_errors=True)

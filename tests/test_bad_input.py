@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -105,20 +106,27 @@ def test_top_level_demo_code_is_not_run_by_the_grader(tmp_notebook):
     assert grade(path, RING_TIME_OK)[RING_TIME_OK].status == "passed"
 
 
-def test_no_process_survives_a_timeout_or_deadlock(tmp_notebook):
+def dtp_temporary_files() -> set[str]:
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("dtp-")}
+
+
+def test_no_process_or_file_survives_a_timeout_or_deadlock(tmp_notebook):
     path = tmp_notebook("dp", {
         "ring_all_reduce_numpy": "def ring_all_reduce_numpy(arrays):\n    while True:\n        pass\n",
         "ring_all_reduce": "def ring_all_reduce(tensor):\n    while True:\n        pass\n"})
     marker = uuid.uuid4().hex
+    files_before = dtp_temporary_files()
     completed = cli(path, "--only", "dp.ring_allreduce_numpy", "dp.ring_allreduce_gloo", "--timeout", "4", marker=marker)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.count("timeout") == 2
     assert live_processes_with_marker(marker) == []
+    assert dtp_temporary_files() <= files_before  # the killed gloo world's result folder is gone too
 
 
 def test_ctrl_c_stops_everything(tmp_notebook):
     path = tmp_notebook("dp", {"ring_all_reduce": "def ring_all_reduce(tensor):\n    while True:\n        pass\n"})
     marker = uuid.uuid4().hex
+    files_before = dtp_temporary_files()
     env = {**os.environ, "DTP_TEST_MARKER": marker}
     grader = subprocess.Popen([sys.executable, "-m", "grader", str(path), "--only", "dp.ring_allreduce_gloo"],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -132,6 +140,7 @@ def test_ctrl_c_stops_everything(tmp_notebook):
     assert stderr.strip().splitlines() == ["grader: interrupted; nothing was left running"]
     time.sleep(0.5)
     assert live_processes_with_marker(marker) == []
+    assert dtp_temporary_files() <= files_before
 
 
 def test_two_graders_at_once(tmp_path):

@@ -180,7 +180,7 @@ def average_gradients(model):
 @pytest.mark.parametrize("source, feedback", [
     (DDP_SUM_ONLY, "you summed the gradients"),
     (DDP_DIVIDE_TWICE, "divided by the world size twice"),
-    (DDP_NO_COMMUNICATION, "made no dist.all_reduce call"),
+    (DDP_NO_COMMUNICATION, "made no all-reduce"),
     (DDP_ONLY_WEIGHTS, "differs from the reference"),
 ], ids=["sum-without-divide", "divide-twice", "no-communication", "biases-forgotten"])
 def test_ddp_by_hand_rejects(tmp_notebook, source, feedback):
@@ -313,3 +313,98 @@ def test_bus_bandwidth_rejects(tmp_notebook, bus, feedback):
 def test_interview_rejects(tmp_notebook, answers, feedback):
     result = grade(tmp_notebook("dp", {"interview_bytes_sent_per_gpu": answers}), "dp.interview")["dp.interview"]
     assert result.status == "failed" and feedback in result.feedback
+
+
+# Correct solutions written differently from the course's must pass: the checks test behaviour.
+
+RING_GLOO_BATCHED = '''
+def ring_all_reduce(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = tensor.tensor_split(n)
+    for phase in ("reduce-scatter", "all-gather"):
+        for step in range(n - 1):
+            send_index = (rank - step) % n if phase == "reduce-scatter" else (rank + 1 - step) % n
+            receive_index = (send_index - 1) % n
+            incoming = torch.empty_like(chunks[receive_index])
+            ops = [dist.P2POp(dist.isend, chunks[send_index].clone(), (rank + 1) % n),
+                   dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+            if phase == "reduce-scatter":
+                chunks[receive_index].add_(incoming)
+            else:
+                chunks[receive_index].copy_(incoming)
+'''
+
+RING_GLOO_EVEN_ODD_IMPORTED_NAMES = '''
+from torch.distributed import get_rank, get_world_size, recv, send
+
+def ring_all_reduce(tensor):
+    rank, n = get_rank(), get_world_size()
+    chunks = list(tensor.tensor_split(n))
+    for phase in ("reduce-scatter", "all-gather"):
+        for step in range(n - 1):
+            send_index = (rank - step) % n if phase == "reduce-scatter" else (rank + 1 - step) % n
+            receive_index = (send_index - 1) % n
+            incoming = torch.empty_like(chunks[receive_index])
+            # Blocking calls, ordered so that neighbours never both wait to send.
+            if rank % 2 == 0:
+                send(chunks[send_index].contiguous(), (rank + 1) % n)
+                recv(incoming, (rank - 1) % n)
+            else:
+                recv(incoming, (rank - 1) % n)
+                send(chunks[send_index].contiguous(), (rank + 1) % n)
+            if phase == "reduce-scatter":
+                chunks[receive_index] += incoming
+            else:
+                chunks[receive_index].copy_(incoming)
+'''
+
+DDP_IMPORTED_ALL_REDUCE = '''
+from torch.distributed import all_reduce, get_world_size
+
+def average_gradients(model):
+    for parameter in model.parameters():
+        all_reduce(parameter.grad)
+        parameter.grad.div_(get_world_size())
+'''
+
+RING_NUMPY_AS_LIST_WITH_FLOAT_BYTES = '''
+def ring_all_reduce_numpy(arrays):
+    n = len(arrays)
+    chunks = [np.array_split(np.asarray(a, dtype=np.float64).copy(), n) for a in arrays]
+    sent = [0.0] * n
+    for step in range(n - 1):
+        outgoing = [chunks[r][(r - step) % n].copy() for r in range(n)]
+        for r in range(n):
+            sent[r] += outgoing[r].nbytes
+            chunks[(r + 1) % n][(r - step) % n] += outgoing[r]
+    for step in range(n - 1):
+        outgoing = [chunks[r][(r + 1 - step) % n].copy() for r in range(n)]
+        for r in range(n):
+            sent[r] += outgoing[r].nbytes
+            chunks[(r + 1) % n][(r + 1 - step) % n] = outgoing[r]
+    return [np.concatenate(c) for c in chunks], sent
+'''
+
+
+@pytest.mark.parametrize("name, source, exercise_id", [
+    ("ring_all_reduce", RING_GLOO_BATCHED, "dp.ring_allreduce_gloo"),
+    ("ring_all_reduce", RING_GLOO_EVEN_ODD_IMPORTED_NAMES, "dp.ring_allreduce_gloo"),
+    ("average_gradients", DDP_IMPORTED_ALL_REDUCE, "dp.ddp_by_hand"),
+    ("ring_all_reduce_numpy", RING_NUMPY_AS_LIST_WITH_FLOAT_BYTES, "dp.ring_allreduce_numpy"),
+], ids=["batch_isend_irecv", "even-odd-imported-names", "imported-all-reduce", "list-and-float-bytes"])
+def test_correct_alternatives_pass(tmp_notebook, name, source, exercise_id):
+    result = grade(tmp_notebook("dp", {name: source}), exercise_id)[exercise_id]
+    assert result.status == "passed", result
+
+
+RING_GLOO_NOT_IN_PLACE = '''
+def ring_all_reduce(tensor):
+    return tensor * dist.get_world_size()  # a new tensor: the caller's is left unchanged
+'''
+
+
+def test_ring_gloo_asks_for_in_place(tmp_notebook):
+    result = grade(tmp_notebook("dp", {"ring_all_reduce": RING_GLOO_NOT_IN_PLACE}), "dp.ring_allreduce_gloo")
+    assert "in place" in result["dp.ring_allreduce_gloo"].feedback

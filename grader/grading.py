@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from pathlib import Path
 
 from dtp.world import WorldError
 
@@ -50,10 +51,11 @@ def run_check(exercise: Exercise, student: StudentCode) -> tuple[str, str]:
         return "error", f"{_short(exc)}{_where_in_notebook(exc)}"
 
 
-def grade_exercise(exercise: Exercise, load_student, timeout_s: float | None = None) -> ExerciseResult:
+def grade_exercise(exercise: Exercise, load_student, timeout_s: float | None = None,
+                   workdir: str | None = None) -> ExerciseResult:
     """Grade one exercise in a sandbox; `load_student()` runs in the child and returns StudentCode."""
     limit = timeout_s if timeout_s is not None else exercise.timeout_s
-    outcome = run_isolated(lambda: run_check(exercise, load_student()), limit)
+    outcome = run_isolated(lambda: run_check(exercise, load_student()), limit, workdir)
     if outcome.kind == "returned":
         status, feedback = outcome.value
     elif outcome.kind == "timeout":
@@ -81,6 +83,7 @@ def grade_notebook(path: str, only: list[str] | None = None, timeout_s: float | 
     definitions = extract_definitions(notebook, answers)
     report = NotebookReport(path=str(path), chapter=chapter)
     for exercise in exercises:
-        report.add(grade_exercise(exercise, lambda: StudentCode.from_definitions(definitions), timeout_s))
+        report.add(grade_exercise(exercise, lambda: StudentCode.from_definitions(definitions), timeout_s,
+                                  workdir=str(Path(path).resolve().parent)))
     report.elapsed_s = round(time.monotonic() - started, 3)
     return report

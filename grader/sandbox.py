@@ -14,6 +14,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class ChildOutcome:
@@ -22,10 +24,15 @@ class ChildOutcome:
     exitcode: int | None = None
 
 
-def _child_main(task, writer, scratch_dir: str) -> None:
+def _child_main(task, writer, scratch_dir: str, workdir: str | None) -> None:
     os.setpgid(0, 0)
+    # A forked copy of a parent's OpenMP thread pool (a kernel that ran torch ops) can hang on its
+    # first parallel region; one thread avoids that pool, and checks are small anyway.
+    torch.set_num_threads(1)
     tempfile.tempdir = scratch_dir
     os.environ["TMPDIR"] = scratch_dir
+    if workdir:
+        os.chdir(workdir)  # relative paths mean what they mean in the learner's kernel
     # The learner's prints must not interleave with the grader's report or a kernel's streams.
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
@@ -47,12 +54,13 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def run_isolated(task, timeout_s: float) -> ChildOutcome:
-    """Run `task()` (which must return something picklable) in a forked child process group."""
+def run_isolated(task, timeout_s: float, workdir: str | None = None) -> ChildOutcome:
+    """Run `task()` (which must return something picklable) in a forked child process group,
+    in the folder `workdir` if given."""
     context = multiprocessing.get_context("fork")
     reader, writer = context.Pipe(duplex=False)
     scratch_dir = tempfile.mkdtemp(prefix="dtp-sandbox-")
-    child = context.Process(target=_child_main, args=(task, writer, scratch_dir), daemon=False)
+    child = context.Process(target=_child_main, args=(task, writer, scratch_dir, workdir), daemon=False)
     child.start()
     try:
         os.setpgid(child.pid, child.pid)  # also here, so a kill right after start finds the group

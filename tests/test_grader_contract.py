@@ -92,3 +92,21 @@ def test_in_notebook_check_prints_one_verdict_line(capsys):
     assert lines[0].startswith("✓ dp.bus_bandwidth [passed, 1/1]")
     assert lines[1].startswith("· dp.ring_time [missing, 0/1]: `ring_allreduce_time` is not defined")
     assert lines[2] == "unknown exercise id 'dp.bus_bandwith'; did you mean 'dp.bus_bandwidth'?"
+
+
+def test_check_works_after_the_kernel_ran_multithreaded_torch(capsys):
+    """A kernel that has used torch's thread pool must still be able to fork checks."""
+    import torch
+
+    from conftest import solution_path
+    from grader import check
+    from grader.student import StudentCode
+
+    (torch.randn(600, 600) @ torch.randn(600, 600)).sum()  # starts the parent's OpenMP pool
+    namespace_module = sys.modules["__main__"]
+    namespace_module.average_gradients = StudentCode.from_notebook(str(solution_path("dp"))).average_gradients
+    try:
+        check("dp.ddp_by_hand", timeout_s=40)
+    finally:
+        del namespace_module.average_gradients
+    assert capsys.readouterr().out.startswith("✓ dp.ddp_by_hand [passed")

@@ -1,15 +1,17 @@
 """Reading a learner's notebook (never writing it) and taking its graded definitions out of it.
 
-Graded definitions are the top-level imports, functions and classes of the code cells, plus the
-assignments that they need: to UPPER_CASE constants, to the answer names a chapter declares, and
-to any name that a kept function, class or assignment reads (`chunk_count = 4` used inside a
-function). Everything else (demo calls, plots, `check(...)` lines, training loops whose results
-nothing reads) is left out, so grading does not re-run a learner's experiments.
+Graded definitions are the top-level imports, functions and classes of the code cells, plus every
+top-level statement that binds or changes a name they need: UPPER_CASE constants, the answer names
+a chapter declares, and any global a kept statement reads (`chunk_count = 4` used inside a
+function, `TABLE = {}` and the loop that fills it, `answer *= 1000`). Everything else (demo calls,
+plots, `check(...)` lines, training runs whose results nothing reads) is left out, so grading does
+not re-run a learner's experiments.
 """
 from __future__ import annotations
 
 import ast
 import json
+import symtable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,52 +75,100 @@ def _defined_names(node: ast.stmt) -> tuple[str, ...]:
         return (node.name,)
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         return tuple((alias.asname or alias.name).split(".")[0] for alias in node.names)
-    return tuple(_assigned_names(node) or ())
+    return tuple(_assigned_names(node) or sorted(_names_changed(node)))
 
 
 _ALWAYS_KEPT = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 def _assigned_names(node: ast.stmt) -> list[str] | None:
-    """Names a plain assignment binds, or None for anything else (tuple targets included)."""
+    """Names a plain assignment binds (`x = ...`, `a, b = ...`), or None for anything else."""
     if isinstance(node, (ast.Assign, ast.AnnAssign)):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if len(targets) == 1 and isinstance(targets[0], ast.Tuple):
+            targets = targets[0].elts
         names = [t.id for t in targets if isinstance(t, ast.Name)]
         if len(names) == len(targets):
             return names
-    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple) \
-            and all(isinstance(e, ast.Name) for e in node.targets[0].elts):
-        return [e.id for e in node.targets[0].elts]
     return None
 
 
-def _names_read(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+def _root_name(node: ast.expr) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _names_changed(node: ast.stmt) -> set[str]:
+    """Globals a top-level statement binds or mutates: assignment and loop targets, `x[k] = ...`,
+    `x.attr = ...`, `x += ...` and method-call statements such as `x.append(...)` (nested scopes excluded)."""
+    changed: set[str] = set()
+    stack: list[ast.AST] = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) and current is not node:
+            continue
+        if isinstance(current, ast.Name) and isinstance(current.ctx, (ast.Store, ast.Del)):
+            changed.add(current.id)
+        elif isinstance(current, (ast.Attribute, ast.Subscript)) and isinstance(current.ctx, (ast.Store, ast.Del)):
+            changed.add(_root_name(current) or "")
+        elif isinstance(current, ast.Expr) and isinstance(current.value, ast.Call) \
+                and isinstance(current.value.func, ast.Attribute):  # a statement `x.append(...)`, not `np.ones(...)`
+            changed.add(_root_name(current.value.func.value) or "")
+        stack.extend(ast.iter_child_nodes(current))
+    return changed - {""}
+
+
+def _globals_read(node: ast.stmt) -> set[str]:
+    """Global names a statement reads when it runs or when its functions are called: a
+    function's parameters and locals are not globals (symtable knows the scoping rules)."""
+    try:
+        module = symtable.symtable(ast.unparse(node), "<cell>", "exec")
+    except SyntaxError:
+        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    names = set()
+    pending = [module]
+    while pending:
+        table = pending.pop()
+        for symbol in table.get_symbols():
+            if not symbol.is_referenced():
+                continue
+            if table.get_type() == "module" or symbol.is_global() or \
+                    (table.get_type() == "class" and not symbol.is_assigned()):
+                names.add(symbol.get_name())
+        pending.extend(table.get_children())
+    return names
 
 
 def _graded_statements(nodes: list[tuple[int, ast.stmt]], answer_names: frozenset[str]) -> list[tuple[int, ast.stmt]]:
-    """Definitions, and the assignments they (transitively) read, in notebook order."""
+    """Definitions, and the statements that bind or change what they (transitively) read."""
     kept = {i for i, (_, node) in enumerate(nodes) if isinstance(node, _ALWAYS_KEPT)}
-    needed: set[str] = set()
-    for i in kept:
-        needed |= _names_read(nodes[i][1])
-    changed = True
-    while changed:  # an assignment that is kept may read another one
-        changed = False
+    needed: set[str] = set().union(*(_globals_read(nodes[i][1]) for i in kept))
+    changes = [_names_changed(node) for _, node in nodes]
+    grew = True
+    while grew:  # a kept statement may read names that only another statement provides
+        grew = False
         for i, (_, node) in enumerate(nodes):
-            names = _assigned_names(node)
-            if i in kept or names is None:
+            if i in kept:
                 continue
-            if any(n.isupper() or n in answer_names or n in needed for n in names):
+            if any(n.isupper() or n in answer_names or n in needed for n in changes[i]):
                 kept.add(i)
-                needed |= _names_read(node)
-                changed = True
+                needed |= _globals_read(node)
+                grew = True
     return [nodes[i] for i in sorted(kept)]
+
+
+# Cell magics that run their body once as ordinary Python: the body's definitions count.
+_TRANSPARENT_CELL_MAGICS = ("%%time", "%%capture")
 
 
 def _python_source(cell_source: str) -> str:
     """Cell source with IPython syntax (%magics, !shell) turned into plain Python calls."""
     from IPython.core.inputtransformer2 import TransformerManager
+
+    first, _, body = cell_source.lstrip().partition("\n")
+    if first.split() and first.split()[0] in _TRANSPARENT_CELL_MAGICS:
+        cell_source = body
     return TransformerManager().transform_cell(cell_source)
 
 

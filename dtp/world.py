@@ -108,6 +108,10 @@ def run_world(fn, world_size: int, args: tuple = (), *, timeout_s: float = 60.0,
     """
     if not 1 <= world_size <= 64:
         raise ValueError(f"world_size must be between 1 and 64, got {world_size}")
+    if dist.is_initialized():
+        # Forked ranks would inherit this process's group and could not create their own.
+        raise RuntimeError("a process group is already initialized in this process (did the notebook call "
+                           "dist.init_process_group?); call dist.destroy_process_group() or restart the kernel")
     for attempt in range(3):
         try:
             return _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s)

@@ -13,7 +13,8 @@ from .report import format_table, write_json
 EXIT_GRADED, EXIT_UNUSABLE_INPUT, EXIT_INTERRUPTED = 0, 2, 130
 
 
-def _notebook_paths(paths: list[str]) -> list[Path]:
+def _notebook_paths(paths: list[str]) -> list[tuple[Path, bool]]:
+    """(notebook, named explicitly) for each PATH; a folder contributes its notebooks."""
     found = []
     for raw in paths:
         path = Path(raw)
@@ -21,9 +22,9 @@ def _notebook_paths(paths: list[str]) -> list[Path]:
             notebooks = sorted(p for p in path.glob("*.ipynb") if not p.name.startswith("."))
             if not notebooks:
                 raise UnusableInput(f"{path}: folder holds no .ipynb notebook")
-            found.extend(notebooks)
+            found.extend((notebook, False) for notebook in notebooks)
         else:
-            found.append(path)
+            found.append((path, True))
     return found
 
 
@@ -53,11 +54,21 @@ def main(argv: list[str] | None = None) -> int:
             unknown = sorted(set(args.only) - set(all_exercise_ids()))
             if unknown:
                 raise UnusableInput(f"unknown exercise id(s): {', '.join(unknown)}")
-        reports = []
-        for path in _notebook_paths(args.paths):
-            report = grade_notebook(str(path), args.only, args.timeout)
+        reports, skipped = [], []
+        for path, named in _notebook_paths(args.paths):
+            try:
+                report = grade_notebook(str(path), args.only, args.timeout)
+            except UnusableInput as exc:
+                if named:
+                    raise
+                skipped.append(str(exc))  # a stray Untitled.ipynb in a folder must not stop the others
+                continue
             print(format_table(report), flush=True)
             reports.append(report)
+        if not reports:
+            raise UnusableInput(f"no course notebook among the given paths ({skipped[0]})")
+        for reason in skipped:
+            print(f"grader: skipped {reason}", file=sys.stderr)
         if len(reports) > 1:
             print(f"total {sum(r.score for r in reports)}/{sum(r.max_score for r in reports)}")
         if args.json:

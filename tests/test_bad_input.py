@@ -171,3 +171,14 @@ def test_module_level_helpers_that_functions_read_are_kept(tmp_notebook):
         "def bus_bandwidth(size_bytes, time_s, n):\n"
         "    return size_bytes / time_s * ring_factor(n) * scale\n")})
     assert grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"].status == "passed"
+
+
+def test_a_stray_notebook_in_a_folder_is_skipped_not_fatal(tmp_path):
+    (tmp_path / "Untitled.ipynb").write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    (tmp_path / "dp.ipynb").write_bytes(solution_path("dp").read_bytes())
+    completed = cli(tmp_path, "--only", "dp.ring_time")
+    assert completed.returncode == 0
+    assert "total 1/1" in completed.stdout
+    assert completed.stderr.strip().startswith("grader: skipped") and "Untitled.ipynb" in completed.stderr
+    (tmp_path / "dp.ipynb").unlink()
+    assert_one_line_error(cli(tmp_path), "no course notebook")

@@ -70,3 +70,13 @@ def test_failures_are_reported_and_cleaned_up(fn, kind, fragment):
     assert caught.value.kind == kind and fragment in str(caught.value)
     assert time.monotonic() - started < 10
     assert live_children() == []
+
+
+def test_a_process_group_already_initialized_here_gets_an_actionable_error(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="destroy_process_group"):
+            run_world(sum_of_ranks, 2, (1.0,))
+    finally:
+        dist.destroy_process_group()
+    assert run_world(sum_of_ranks, 2, (1.0,)) == [(0, 1.0), (1, 1.0)]

@@ -41,6 +41,9 @@ RECIPES: dict[str, dict[str, int]] = {
     "mixed_sgd_momentum": {"fp16 weights": 2, "fp16 gradients": 2, "fp32 master weights": 4, "SGD momentum": 4},
 }
 
+# An "80GB" A100 holds 80 GiB: nvidia-smi reports 81920 MiB.
+GPU_80GB_BYTES = 80 * 2**30
+
 UNITS: dict[str, int] = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                          "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 

@@ -35,9 +35,11 @@ def bandwidth_figure(n: int, sizes_bytes, times_by_label: dict, model: tuple[flo
 MEMORY_COLOURS = {"weights": "#4c72b0", "gradients": "#dd8452", "optimizer states": "#55a868", "activations": "#c44e52"}
 
 
-def memory_breakdown_figure(breakdowns: dict[str, dict[str, float]], device_gb: float = 80.0):
+def memory_breakdown_figure(breakdowns: dict[str, dict[str, float]], device_bytes: float = 80 * 2**30):
     """One GPU's memory (GB = 10⁹ bytes) for each labelled set-up, as a stacked bar on its own
-    linear axis (set-ups differ by orders of magnitude), with the device's capacity dashed."""
+    linear axis (set-ups differ by orders of magnitude), with the device's capacity dashed
+    (by default an "80GB" GPU, which holds 80 GiB = 85.9 GB)."""
+    device_gb = device_bytes / 1e9
     figure, axes = plt.subplots(len(breakdowns), 1, figsize=(8, 1.1 * len(breakdowns) + 0.9), squeeze=False)
     for axis, (label, breakdown) in zip(axes[:, 0], breakdowns.items()):
         left = 0.0
@@ -49,7 +51,8 @@ def memory_breakdown_figure(breakdowns: dict[str, dict[str, float]], device_gb: 
         axis.set_xlim(0, max(left, device_gb) * 1.18)
         axis.text(left, 0, f" {left:,.1f} GB", va="center")
         axis.set_yticks([0], [label])
-        axis.set_xlabel("GB per GPU (dashed: one 80 GB GPU)" if axis is axes[-1, 0] else None)
+        axis.set_xlabel(f"GB per GPU (dashed: the GPU's {device_bytes / 2**30:g} GiB = {device_gb:.1f} GB)"
+                        if axis is axes[-1, 0] else None)
     handles, names = axes[0, 0].get_legend_handles_labels()
     figure.legend(handles, names, loc="upper center", ncol=len(names), frameon=False)
     figure.tight_layout(rect=(0, 0, 1, 0.9))

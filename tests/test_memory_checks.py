@@ -115,13 +115,15 @@ def test_training_time_rejects(tmp_notebook, days, utilization, feedback):
 
 
 @pytest.mark.parametrize("answers, feedback", [
-    ("interview_70b_model_states_tb = 70e9 * 16 / 2**40\ninterview_largest_model_on_80gb = 5e9\ninterview_gpt3_days = 22.8",
-     "interview_70b_model_states_tb"),
-    ("interview_70b_model_states_tb = 1.12\ninterview_largest_model_on_80gb = 80e9 / 20\ninterview_gpt3_days = 22.8",
-     "interview_largest_model_on_80gb"),
-    ("interview_70b_model_states_tb = 1.12\ninterview_largest_model_on_80gb = 5e9\ninterview_gpt3_days = 22.8 / 3",
-     "interview_gpt3_days"),
-], ids=["tib-for-tb", "20-bytes", "2N-days"])
+    ("interview_70b_model_states_tb = 70e9 * 16 / 2**40\ninterview_largest_model_on_80gib = 80 * 2**30 / 16\n"
+     "interview_gpt3_days = 22.8", "interview_70b_model_states_tb"),
+    ("interview_70b_model_states_tb = 1.12\ninterview_largest_model_on_80gib = 80 * 2**30 / 20\ninterview_gpt3_days = 22.8",
+     "interview_largest_model_on_80gib"),
+    ("interview_70b_model_states_tb = 1.12\ninterview_largest_model_on_80gib = 80e9 / 16\ninterview_gpt3_days = 22.8",
+     "took 80 GiB as 80·10⁹ bytes"),
+    ("interview_70b_model_states_tb = 1.12\ninterview_largest_model_on_80gib = 80 * 2**30 / 16\n"
+     "interview_gpt3_days = 22.8 / 3", "interview_gpt3_days"),
+], ids=["tib-for-tb", "20-bytes", "gb-for-gib", "2N-days"])
 def test_interview_rejects(tmp_notebook, answers, feedback):
     result = grade(tmp_notebook("memory", {"interview_70b_model_states_tb": answers}), "memory.interview")["memory.interview"]
     assert result.status == "failed" and feedback in result.feedback

@@ -129,15 +129,18 @@ def check_training_time(student) -> str:
     return "training_days and mfu match 6N FLOPs per token on random inputs"
 
 
-INTERVIEW_ANSWERS = ("interview_70b_model_states_tb", "interview_largest_model_on_80gb", "interview_gpt3_days")
+INTERVIEW_ANSWERS = ("interview_70b_model_states_tb", "interview_largest_model_on_80gib", "interview_gpt3_days")
 
 
 @exercise("memory.interview", points=2, answers=INTERVIEW_ANSWERS, timeout_s=15)
 def check_interview(student) -> str:
     expect_number(student.interview_70b_model_states_tb, memory.model_state_memory(70e9, "mixed_adam", "TB"),
                   "interview_70b_model_states_tb", rel=1e-3)
-    expect_number(student.interview_largest_model_on_80gb, memory.largest_trainable_model(80e9, "mixed_adam"),
-                  "interview_largest_model_on_80gb (parameters)", rel=1e-3)
+    largest = memory.largest_trainable_model(memory.GPU_80GB_BYTES, "mixed_adam")
+    if isinstance(student.interview_largest_model_on_80gib, (int, float)) and \
+            np.isclose(student.interview_largest_model_on_80gib, largest * 1e9 / 2**30, rtol=1e-3):
+        raise CheckFailed("interview_largest_model_on_80gib took 80 GiB as 80·10⁹ bytes; 1 GiB = 2^30 bytes")
+    expect_number(student.interview_largest_model_on_80gib, largest, "interview_largest_model_on_80gib (parameters)", rel=1e-3)
     expect_number(student.interview_gpt3_days, memory.training_time_s(175e9, 300e9, 1024, 312e12, 0.5) / 86400,
                   "interview_gpt3_days", rel=1e-2)
     return "all three interview answers are right"

@@ -76,3 +76,11 @@ def test_bucket_sizes_follow_the_greedy_rule(cap):
     assert costs.ddp_bucket_count(parameters, cap) == len(buckets)
     assert costs.ddp_bucket_count(parameters, 1) == len(parameters)
     assert costs.ddp_bucket_count(parameters, 10**9) == 1
+
+
+def test_latency_and_bandwidth_terms_cross_at_n_alpha_beta():
+    n, alpha, beta = 64, 5e-6, 100e9
+    crossover = n * alpha * beta
+    latency = 2 * (n - 1) * alpha
+    assert costs.ring_all_reduce_time(n, crossover, alpha, beta) == pytest.approx(2 * latency)
+    assert costs.ring_all_reduce_time(n, crossover / 10, alpha, beta) < 1.2 * latency  # latency-bound below

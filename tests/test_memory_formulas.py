@@ -71,3 +71,20 @@ def test_training_time_and_mfu_are_consistent():
     seconds = memory.training_time_s(n, tokens, gpus, peak, mfu)
     assert memory.model_flops_utilization(n, tokens / seconds, gpus, peak) == pytest.approx(mfu)
     assert memory.training_flops(n, tokens) == 6 * n * tokens
+
+
+def test_full_recomputation_adds_one_forward_pass_so_about_8n():
+    """The book: with full recomputation the hardware does about 8N FLOPs per token (MFU still counts 6N)."""
+    from torch.utils.checkpoint import checkpoint
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config, batch, seq = GPTConfig(n_layers=2, hidden=64, n_heads=4, vocab_size=100, n_positions=32), 2, 32
+    model = GPT(config)
+    forwards = [block.forward for block in model.blocks]
+    for block, forward in zip(model.blocks, forwards):
+        block.forward = lambda x, forward=forward: checkpoint(forward, x, use_reentrant=False)
+    with FlopCounterMode(display=False) as counter:
+        model(torch.zeros(batch, seq, dtype=torch.long)).sum().backward()
+    h, L = config.hidden, config.n_layers
+    block_forward = 2 * batch * seq * L * (4 + 2 * config.mlp_ratio) * h * h + 4 * L * batch * seq * seq * h
+    assert counter.get_total_flops() == memory.transformer_training_flops(config, batch, seq) + block_forward

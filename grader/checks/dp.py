@@ -140,7 +140,10 @@ def _data_parallel_on_rank(rank, world_size, student_kind, student_impl, bucket_
     shards = [(x[rank * SHARD:(rank + 1) * SHARD], y[rank * SHARD:(rank + 1) * SHARD]) for x, y in full]
 
     reference = tiny_mlp(MLP_SIZES, seed)
-    _train(reference, full)
+    initial = parameters_as_numpy(reference)
+    _train(reference, full[:1])  # plain SGD keeps no state, so training in two calls changes nothing
+    reference_after_one_step = parameters_as_numpy(reference)
+    _train(reference, full[1:])
 
     ddp = nn.parallel.DistributedDataParallel(tiny_mlp(MLP_SIZES, seed))
     _train(ddp, shards)
@@ -157,7 +160,8 @@ def _data_parallel_on_rank(rank, world_size, student_kind, student_impl, bucket_
             _train(wrapped, shards, wrapped.finish_gradient_sync, during_backward, traffic)
             after_one_step = None
     return {"learner": parameters_as_numpy(model), "ddp": parameters_as_numpy(ddp.module),
-            "single": parameters_as_numpy(reference), "after_one_step": after_one_step,
+            "single": parameters_as_numpy(reference), "initial": initial, "after_one_step": after_one_step,
+            "single_after_one_step": reference_after_one_step,
             "all_reduce_calls": traffic.all_reduce_calls, "during_backward": during_backward}
 
 
@@ -169,15 +173,12 @@ def _compare_training(outcomes, n: int, what: str) -> None:
                          rtol=1e-4, atol=1e-5)
 
 
-def _check_update_ratio(outcomes, n: int, seed: int) -> None:
+def _check_update_ratio(outcomes, n: int) -> None:
     """Name the classic mistakes: summing without averaging (n× too large) or averaging twice."""
-    x, y = regression_batch(SHARD * n, MLP_SIZES[0], MLP_SIZES[-1], seed)
-    model = tiny_mlp(MLP_SIZES, seed)
-    initial = parameters_as_numpy(model)
-    nn.functional.mse_loss(model(x), y).backward()
-    reference = np.concatenate([(-LEARNING_RATE * p.grad).numpy().ravel() for p in model.parameters()])
     for rank, out in enumerate(outcomes):
-        mine = np.concatenate([(p - p0).ravel() for p, p0 in zip(out["after_one_step"], initial)])
+        def first_update(after):
+            return np.concatenate([(p - p0).ravel() for p, p0 in zip(after, out["initial"])])
+        mine, reference = first_update(out["after_one_step"]), first_update(out["single_after_one_step"])
         ratio = float(mine @ reference / (reference @ reference))
         if abs(ratio - n) < 0.05 * n:
             raise CheckFailed(f"rank {rank}'s first update is {ratio:.2f}x the single-process one (world {n}): "
@@ -195,7 +196,7 @@ def check_ddp_by_hand(student) -> str:
         outcomes = run_world(_data_parallel_on_rank, n, ("by_hand", average_gradients, None, seed), **WORLD_OPTIONS)
         expect(all(len(out["all_reduce_calls"]) > 0 for out in outcomes),
                "average_gradients made no all-reduce; each rank only has the gradient of its own shard")
-        _check_update_ratio(outcomes, n, seed)
+        _check_update_ratio(outcomes, n)
         _compare_training(outcomes, n, "your average_gradients")
     return f"{STEPS} SGD steps equal single-process full-batch training and torch DDP, world sizes 2 and 4"
 

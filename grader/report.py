@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import textwrap
 from dataclasses import asdict, dataclass, field
 
 STATUSES = ("passed", "failed", "error", "timeout", "missing")
@@ -37,16 +36,14 @@ class NotebookReport:
         self.max_score += result.max_points
 
 
-def format_table(report: NotebookReport, width: int = 110) -> str:
-    """The CLI's table; long feedback wraps under its column instead of being cut."""
+def format_table(report: NotebookReport) -> str:
+    """The CLI's table: one line per exercise, its feedback whole (never cut: the hint that
+    names the mistake is often at the end)."""
     id_width = max([len("exercise")] + [len(r.id) for r in report.exercises])
     rows = [f"{report.path}  (chapter {report.chapter})",
             f"  {'exercise':<{id_width}}  points  {'status':<8} feedback"]
     for r in report.exercises:
-        prefix = f"  {r.id:<{id_width}}  {f'{r.points}/{r.max_points}':>6}  {r.status:<8} "
-        lines = textwrap.wrap(r.feedback, width=max(width - len(prefix), 40)) or [""]
-        rows.append(prefix + lines[0])
-        rows.extend(" " * len(prefix) + line for line in lines[1:])
+        rows.append(f"  {r.id:<{id_width}}  {f'{r.points}/{r.max_points}':>6}  {r.status:<8} {r.feedback}")
     rows.append(f"  total {report.score}/{report.max_score} in {report.elapsed_s:.1f}s")
     return "\n".join(rows)
 

@@ -110,3 +110,16 @@ def test_check_works_after_the_kernel_ran_multithreaded_torch(capsys):
     finally:
         del namespace_module.average_gradients
     assert capsys.readouterr().out.startswith("✓ dp.ddp_by_hand [passed")
+
+
+def test_table_has_one_line_per_exercise_with_the_whole_feedback():
+    from grader.report import ExerciseResult, NotebookReport, format_table
+
+    report = NotebookReport(path="x.ipynb", chapter="dp")
+    long_feedback = "rank 0's result differs from the reference " * 5 + "did you forget the all-gather phase?"
+    report.add(ExerciseResult("dp.ring_allreduce_numpy", 0, 2, "failed", long_feedback))
+    report.add(ExerciseResult("dp.ring_time", 1, 1, "passed", "ok"))
+    lines = format_table(report).splitlines()
+    assert len(lines) == 2 + 2 + 1
+    assert lines[2].endswith("did you forget the all-gather phase?") and "0/2" in lines[2]
+    assert lines[-1] == "  total 1/3 in 0.0s"

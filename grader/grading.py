@@ -79,8 +79,7 @@ def grade_notebook(path: str, only: list[str] | None = None, timeout_s: float | 
     exercises = chapter_exercises(chapter)
     if only:
         exercises = [ex for ex in exercises if ex.id in only]
-    answers = {name for ex in exercises for name in ex.answers}
-    definitions = extract_definitions(notebook, answers)
+    definitions = extract_definitions(notebook, {name for ex in exercises for name in ex.reads})
     report = NotebookReport(path=str(path), chapter=chapter)
     for exercise in exercises:
         report.add(grade_exercise(exercise, lambda: StudentCode.from_definitions(definitions), timeout_s,

@@ -1,16 +1,18 @@
 """Reading a learner's notebook (never writing it) and taking its graded definitions out of it.
 
 Graded definitions are the top-level imports, functions and classes of the code cells, plus every
-top-level statement that binds or changes a name they need: UPPER_CASE constants, the answer names
-a chapter declares, and any global a kept statement reads (`chunk_count = 4` used inside a
-function, `TABLE = {}` and the loop that fills it, `answer *= 1000`). Everything else (demo calls,
-plots, `check(...)` lines, training runs whose results nothing reads) is left out, so grading does
-not re-run a learner's experiments.
+top-level statement that binds or changes a name that is needed: a name the chapter's checks read
+(`ring_all_reduce`, an answer variable), or a global that a kept statement reads (`chunk_count = 4`
+used inside a function, `TABLE = {}` and the loop that fills it, `answer *= 1000`, an `if` or
+`try` that defines a function or imports a module). Everything else (demo calls, plots,
+`check(...)` lines, training runs whose results nothing reads) is left out, so grading does not
+re-run a learner's experiments.
 """
 from __future__ import annotations
 
 import ast
 import json
+import re
 import symtable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +62,8 @@ class Definition:
 
     def compile(self):
         module = ast.Module(body=[self.node], type_ignores=[])
-        return compile(module, f"<notebook cell {self.cell_index}>", "exec")
+        # dont_inherit: the learner's code must not run under this module's __future__ imports.
+        return compile(module, f"<notebook cell {self.cell_index}>", "exec", dont_inherit=True)
 
 
 @dataclass
@@ -99,22 +102,31 @@ def _root_name(node: ast.expr) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def _names_changed(node: ast.stmt) -> set[str]:
-    """Globals a top-level statement binds or mutates: assignment and loop targets, `x[k] = ...`,
-    `x.attr = ...`, `x += ...` and method-call statements such as `x.append(...)` (nested scopes excluded)."""
+def _names_changed(node: ast.stmt, modules: frozenset[str] = frozenset()) -> set[str]:
+    """Globals a top-level statement binds or mutates: assignment and loop targets, functions,
+    classes and imports (also inside `if`/`try`/`with`), `x[k] = ...`, `x.attr = ...`, `x += ...`
+    and method-call statements such as `x.append(...)`, unless `x` is one of the imported
+    `modules` (`plt.plot(...)` changes nothing the grader needs)."""
     changed: set[str] = set()
     stack: list[ast.AST] = [node]
     while stack:
         current = stack.pop()
-        if isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) and current is not node:
+        if isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and current is not node:
+            changed.add(current.name)  # a nested definition binds its name; its body is its own scope
             continue
-        if isinstance(current, ast.Name) and isinstance(current.ctx, (ast.Store, ast.Del)):
+        if isinstance(current, ast.Lambda):
+            continue
+        if isinstance(current, (ast.Import, ast.ImportFrom)):
+            changed.update((alias.asname or alias.name).split(".")[0] for alias in current.names)
+        elif isinstance(current, ast.Name) and isinstance(current.ctx, (ast.Store, ast.Del)):
             changed.add(current.id)
         elif isinstance(current, (ast.Attribute, ast.Subscript)) and isinstance(current.ctx, (ast.Store, ast.Del)):
             changed.add(_root_name(current) or "")
         elif isinstance(current, ast.Expr) and isinstance(current.value, ast.Call) \
                 and isinstance(current.value.func, ast.Attribute):  # a statement `x.append(...)`, not `np.ones(...)`
-            changed.add(_root_name(current.value.func.value) or "")
+            root = _root_name(current.value.func.value)
+            if root not in modules:
+                changed.add(root or "")
         stack.extend(ast.iter_child_nodes(current))
     return changed - {""}
 
@@ -140,18 +152,20 @@ def _globals_read(node: ast.stmt) -> set[str]:
     return names
 
 
-def _graded_statements(nodes: list[tuple[int, ast.stmt]], answer_names: frozenset[str]) -> list[tuple[int, ast.stmt]]:
-    """Definitions, and the statements that bind or change what they (transitively) read."""
+def _graded_statements(nodes: list[tuple[int, ast.stmt]], graded_names: frozenset[str]) -> list[tuple[int, ast.stmt]]:
+    """Definitions, and the statements that bind or change what the checks or they (transitively) read."""
     kept = {i for i, (_, node) in enumerate(nodes) if isinstance(node, _ALWAYS_KEPT)}
-    needed: set[str] = set().union(*(_globals_read(nodes[i][1]) for i in kept))
-    changes = [_names_changed(node) for _, node in nodes]
+    needed: set[str] = set(graded_names).union(*(_globals_read(nodes[i][1]) for i in kept))
+    modules = frozenset(name for _, node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))
+                        for name in _defined_names(node))
+    changes = [_names_changed(node, modules) for _, node in nodes]
     grew = True
     while grew:  # a kept statement may read names that only another statement provides
         grew = False
         for i, (_, node) in enumerate(nodes):
             if i in kept:
                 continue
-            if any(n.isupper() or n in answer_names or n in needed for n in changes[i]):
+            if changes[i] & needed:
                 kept.add(i)
                 needed |= _globals_read(node)
                 grew = True
@@ -169,10 +183,13 @@ def _python_source(cell_source: str) -> str:
     first, _, body = cell_source.lstrip().partition("\n")
     if first.split() and first.split()[0] in _TRANSPARENT_CELL_MAGICS:
         cell_source = body
+    # `%time x = f()` runs its statement once, like `%%time`.
+    cell_source = re.sub(r"^([ \t]*)%time[ \t]+", r"\1", cell_source, flags=re.M)
     return TransformerManager().transform_cell(cell_source)
 
 
-def extract_definitions(notebook: nbformat.NotebookNode, answer_names=frozenset()) -> Definitions:
+def extract_definitions(notebook: nbformat.NotebookNode, graded_names=frozenset()) -> Definitions:
+    """The statements to run for grading; `graded_names` are the names the checks will read."""
     found = Definitions()
     top_level: list[tuple[int, ast.stmt]] = []
     for index, cell in enumerate(notebook.cells):
@@ -184,6 +201,6 @@ def extract_definitions(notebook: nbformat.NotebookNode, answer_names=frozenset(
             found.syntax_errors[index] = f"line {exc.lineno}: {exc.msg}"
             continue
         top_level.extend((index, node) for node in tree.body)
-    for index, node in _graded_statements(top_level, frozenset(answer_names)):
+    for index, node in _graded_statements(top_level, frozenset(graded_names)):
         found.statements.append(Definition(index, node, _defined_names(node)))
     return found

@@ -20,7 +20,7 @@ class Exercise:
     id: str
     points: int
     check: Callable  # check(student) -> feedback on success; raises CheckFailed otherwise
-    answers: tuple[str, ...]  # top-level answer variables the check reads (kept by extraction)
+    reads: tuple[str, ...]  # the notebook's top-level names the check reads (extraction keeps what binds them)
     timeout_s: float
 
     @property
@@ -31,7 +31,7 @@ class Exercise:
 _EXERCISES: dict[str, Exercise] = {}
 
 
-def exercise(exercise_id: str, *, points: int, answers: tuple[str, ...] = (), timeout_s: float = DEFAULT_TIMEOUT_S):
+def exercise(exercise_id: str, *, points: int, reads: tuple[str, ...], timeout_s: float = DEFAULT_TIMEOUT_S):
     """Register the decorated function as the check of `exercise_id` (`<chapter>.<name>`)."""
     chapter = exercise_id.split(".", 1)[0]
     if chapter not in CHAPTER_MODULES or "." not in exercise_id:
@@ -40,7 +40,7 @@ def exercise(exercise_id: str, *, points: int, answers: tuple[str, ...] = (), ti
     def register(check: Callable) -> Callable:
         if exercise_id in _EXERCISES:
             raise ValueError(f"exercise {exercise_id} is declared twice")
-        _EXERCISES[exercise_id] = Exercise(exercise_id, points, check, tuple(answers), timeout_s)
+        _EXERCISES[exercise_id] = Exercise(exercise_id, points, check, tuple(reads), timeout_s)
         return check
 
     return register

@@ -1,6 +1,9 @@
 """The learner's code as the checks see it: a namespace whose missing names explain themselves."""
 from __future__ import annotations
 
+import sys
+import types
+
 from .notebook import Definitions, extract_definitions, read_notebook
 
 
@@ -18,7 +21,10 @@ class StudentCode:
     @classmethod
     def from_definitions(cls, definitions: Definitions) -> "StudentCode":
         """Execute a notebook's graded definitions (call this only inside a sandbox child)."""
-        namespace: dict = {"__name__": "__notebook__"}
+        # A real, importable module: dataclasses, pickling and typing look their classes up there.
+        module = types.ModuleType("__notebook__")
+        sys.modules[module.__name__] = module
+        namespace = vars(module)
         problems: dict[str, str] = {}
         for statement in definitions.statements:
             try:
@@ -32,10 +38,10 @@ class StudentCode:
         return cls(namespace, problems)
 
     @classmethod
-    def from_notebook(cls, path: str, answer_names=()) -> "StudentCode":
+    def from_notebook(cls, path: str, graded_names=()) -> "StudentCode":
         """Run a notebook's graded definitions in this process: for trusted notebooks only, such
         as the book using the course's own solutions (the grader always uses a sandbox)."""
-        return cls.from_definitions(extract_definitions(read_notebook(path), answer_names))
+        return cls.from_definitions(extract_definitions(read_notebook(path), graded_names))
 
     def __getattr__(self, name: str):
         if name.startswith("_"):

@@ -180,7 +180,7 @@ def average_gradients(model):
 @pytest.mark.parametrize("source, feedback", [
     (DDP_SUM_ONLY, "you summed the gradients"),
     (DDP_DIVIDE_TWICE, "divided by the world size twice"),
-    (DDP_NO_COMMUNICATION, "made no all-reduce"),
+    (DDP_NO_COMMUNICATION, "communicated nothing"),
     (DDP_ONLY_WEIGHTS, "differs from the reference"),
 ], ids=["sum-without-divide", "divide-twice", "no-communication", "biases-forgotten"])
 def test_ddp_by_hand_rejects(tmp_notebook, source, feedback):
@@ -388,12 +388,24 @@ def ring_all_reduce_numpy(arrays):
 '''
 
 
+DDP_WITH_OWN_RING = '''
+def average_gradients(model):
+    for parameter in model.parameters():
+        ring_all_reduce(parameter.grad)  # the learner's exercise-2 ring
+        parameter.grad /= dist.get_world_size()
+'''
+
+
 @pytest.mark.parametrize("name, source, exercise_id", [
+    ("average_gradients", DDP_WITH_OWN_RING, "dp.ddp_by_hand"),
+    ("BucketedDDP", "from torch.distributed import all_reduce\n" + bucketed(ALL_REDUCE="all_reduce(flat, async_op=True)"),
+     "dp.bucketed_ddp"),
     ("ring_all_reduce", RING_GLOO_BATCHED, "dp.ring_allreduce_gloo"),
     ("ring_all_reduce", RING_GLOO_EVEN_ODD_IMPORTED_NAMES, "dp.ring_allreduce_gloo"),
     ("average_gradients", DDP_IMPORTED_ALL_REDUCE, "dp.ddp_by_hand"),
     ("ring_all_reduce_numpy", RING_NUMPY_AS_LIST_WITH_FLOAT_BYTES, "dp.ring_allreduce_numpy"),
-], ids=["batch_isend_irecv", "even-odd-imported-names", "imported-all-reduce", "list-and-float-bytes"])
+], ids=["ddp-with-own-ring", "bucketed-imported-all-reduce", "batch_isend_irecv", "even-odd-imported-names",
+        "imported-all-reduce", "list-and-float-bytes"])
 def test_correct_alternatives_pass(tmp_notebook, name, source, exercise_id):
     result = grade(tmp_notebook("dp", {name: source}), exercise_id)[exercise_id]
     assert result.status == "passed", result

@@ -6,14 +6,14 @@ from grader.notebook import extract_definitions
 from grader.student import StudentCode
 
 
-def definitions_of(*cells, answers=()):
+def definitions_of(*cells, graded=()):
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    return extract_definitions(notebook, answers)
+    return extract_definitions(notebook, graded)
 
 
-def kept_sources(*cells, answers=()):
+def kept_sources(*cells, graded=()):
     import ast
-    return [ast.unparse(d.node) for d in definitions_of(*cells, answers=answers).statements]
+    return [ast.unparse(d.node) for d in definitions_of(*cells, graded=graded).statements]
 
 
 def test_definitions_and_the_globals_they_read_are_kept():
@@ -29,11 +29,11 @@ def test_a_demo_assigning_a_name_that_is_only_a_local_elsewhere_is_not_run():
 
 def test_statements_that_fill_or_change_a_needed_name_are_kept():
     kept = kept_sources("TABLE = {}", "for k in ('a', 'b'):\n    TABLE[k] = len(k)", "TABLE.update(c=3)",
-                        "answer = 2.0", "answer *= 1000", "print(answer)", answers=("answer",))
+                        "answer = 2.0", "answer *= 1000", "print(answer)", graded=("TABLE", "answer"))
     assert kept == ["TABLE = {}", "for k in ('a', 'b'):\n    TABLE[k] = len(k)", "TABLE.update(c=3)",
                     "answer = 2.0", "answer *= 1000"]
     student = StudentCode.from_definitions(definitions_of(*[
-        "TABLE = {}", "for k in ('a', 'b'):\n    TABLE[k] = len(k)", "answer = 2.0", "answer *= 1000"], answers=("answer",)))
+        "TABLE = {}", "for k in ('a', 'b'):\n    TABLE[k] = len(k)", "answer = 2.0", "answer *= 1000"], graded=("TABLE", "answer")))
     assert student.TABLE == {"a": 1, "b": 1} and student.answer == 2000.0
 
 
@@ -51,3 +51,29 @@ def test_a_syntax_error_costs_only_its_cell():
     found = definitions_of("def f(:\n    pass", "def g():\n    return 2")
     assert list(found.syntax_errors) == [0] and "line 1" in found.syntax_errors[0]
     assert [d.names for d in found.statements] == [("g",)]
+
+
+def test_graded_names_bound_by_assignment_or_inside_blocks_are_kept():
+    kept = kept_sources("import functools", "try:\n    import numpy as np\nexcept ImportError:\n    np = None",
+                        "if True:\n    def f(x):\n        return np.ones(x)\nelse:\n    def f(x):\n        return None",
+                        "g = lambda x: 2 * x", "h = functools.partial(max, 0)", "%time answer = g(21)",
+                        graded=("f", "g", "h", "answer"))
+    assert len(kept) == 6
+
+
+def test_experiments_on_imported_modules_and_loops_are_not_run():
+    kept = kept_sources("import matplotlib.pyplot as plt", "def f():\n    return plt.figure()",
+                        "plt.plot([1, 2])", "for N in (2, 4):\n    print(N)", "RESULTS = f()", graded=("f",))
+    assert kept == ["import matplotlib.pyplot as plt", "def f():\n    return plt.figure()"]
+
+
+def test_learner_code_runs_as_a_real_module_without_the_graders_future_imports():
+    student = StudentCode.from_definitions(definitions_of(
+        "from dataclasses import dataclass\nfrom typing import NamedTuple",
+        "@dataclass\nclass Link:\n    alpha: float\n    beta: float",
+        "class Pair(NamedTuple):\n    a: int\n    b: int",
+        graded=("Link", "Pair")))
+    import pickle
+    assert student.Link(1.0, 2.0).beta == 2.0
+    assert isinstance(student.Link.__annotations__["alpha"], type)  # not the string "float"
+    assert pickle.loads(pickle.dumps(student.Pair(1, 2))) == (1, 2)

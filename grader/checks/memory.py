@@ -42,7 +42,7 @@ def _explain_count(difference: int, config: GPTConfig) -> str:
     return causes.get(difference, "compare your count layer by layer with the model's modules")
 
 
-@exercise("memory.param_count", points=3, timeout_s=30)
+@exercise("memory.param_count", points=3, reads=("gpt_parameter_count",), timeout_s=30)
 def check_param_count(student) -> str:
     count = student.gpt_parameter_count
     for config in _random_configs(np.random.default_rng()):
@@ -62,7 +62,7 @@ UNIT_TWINS = {"MB": "MiB", "GB": "GiB", "TB": "TiB", "GiB": "GB", "TiB": "TB"}  
 UNIT_POWERS = {"MB": "10^6", "GB": "10^9", "TB": "10^12", "MiB": "2^20", "GiB": "2^30", "TiB": "2^40"}
 
 
-@exercise("memory.model_states", points=2, timeout_s=15)
+@exercise("memory.model_states", points=2, reads=("model_state_memory",), timeout_s=15)
 def check_model_states(student) -> str:
     model_states = student.model_state_memory
     rng = np.random.default_rng()
@@ -81,7 +81,7 @@ def check_model_states(student) -> str:
     return f"right for all {len(RECIPE_NAMES)} recipes ({', '.join(str(memory.bytes_per_parameter(r)) for r in RECIPE_NAMES)} bytes per parameter) in bytes, GB, GiB, TB and TiB"
 
 
-@exercise("memory.activations", points=2, timeout_s=15)
+@exercise("memory.activations", points=2, reads=("activation_bytes_per_layer",), timeout_s=15)
 def check_activations(student) -> str:
     per_layer = student.activation_bytes_per_layer
     rng = np.random.default_rng()
@@ -108,7 +108,7 @@ def check_activations(student) -> str:
     return "matches Korthikanti et al.'s table for no recompute, selective and full recompute, with and without sequence parallelism"
 
 
-@exercise("memory.training_time", points=2, timeout_s=15)
+@exercise("memory.training_time", points=2, reads=("training_days", "mfu"), timeout_s=15)
 def check_training_time(student) -> str:
     days, utilization = student.training_days, student.mfu
     rng = np.random.default_rng()
@@ -132,7 +132,7 @@ def check_training_time(student) -> str:
 INTERVIEW_ANSWERS = ("interview_70b_model_states_tb", "interview_largest_model_on_80gib", "interview_gpt3_days")
 
 
-@exercise("memory.interview", points=2, answers=INTERVIEW_ANSWERS, timeout_s=15)
+@exercise("memory.interview", points=2, reads=INTERVIEW_ANSWERS, timeout_s=15)
 def check_interview(student) -> str:
     expect_number(student.interview_70b_model_states_tb, memory.model_state_memory(70e9, "mixed_adam", "TB"),
                   "interview_70b_model_states_tb", rel=1e-3)

@@ -8,11 +8,13 @@ when `run_world` returns or raises (also on Ctrl-C or its own timeout) no rank p
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing.connection
 import os
 import pickle
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -41,9 +43,22 @@ class WorldError(RuntimeError):
 _PEER_LOST_MARKERS = ("timed out", "timeout", "connection closed by peer", "connection reset", "broken pipe")
 
 
+_PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
+
 # Which failure to report when several ranks fail: the cause before its consequences.
 _FAILURE_PRIORITY = {"raised": 0, "exited": 1, "collective_timeout": 2, "timeout": 3}
 _GRACE_AFTER_FAILURE_S = 1.0
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have Linux SIGKILL this process when its parent dies, even by SIGKILL, so that a killed
+    grader or kernel leaves no rank or sandbox running. Elsewhere, a no-op."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def free_port() -> int:
@@ -53,8 +68,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_entry(rank, fn, world_size, args, port, result_dir, collective_timeout_s):
+def _rank_entry(rank, fn, world_size, args, port, result_dir, collective_timeout_s, launcher_pid):
     """Body of one rank process: join the group, run fn, leave its outcome in result_dir."""
+    die_with_parent(launcher_pid)
     torch.set_num_threads(1)  # ranks share few cores; more threads would only contend
     try:
         dist.init_process_group(
@@ -127,7 +143,7 @@ def _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s):
     context = None
     try:
         context = mp.start_processes(
-            _rank_entry, args=(fn, world_size, args, free_port(), result_dir, collective_timeout_s),
+            _rank_entry, args=(fn, world_size, args, free_port(), result_dir, collective_timeout_s, os.getpid()),
             nprocs=world_size, join=False, start_method="fork")
         waiting = {proc.sentinel: rank for rank, proc in enumerate(context.processes)}
         deadline = time.monotonic() + timeout_s

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 from pathlib import Path
@@ -45,11 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the sandboxes' cleanup runs and no process is left behind.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    from .grading import grade_notebook  # imports torch: after argument errors are reported
-
     try:
-        if args.timeout is not None and args.timeout <= 0:
-            raise UnusableInput(f"--timeout must be positive, got {args.timeout:g}")
+        from .grading import grade_notebook  # imports torch: after argument errors are reported
+
+        if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise UnusableInput(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
         if args.only:
             unknown = sorted(set(args.only) - set(all_exercise_ids()))
             if unknown:
@@ -58,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         for path, named in _notebook_paths(args.paths):
             try:
                 report = grade_notebook(str(path), args.only, args.timeout)
-            except UnusableInput as exc:
+            except (UnusableInput, OSError) as exc:
                 if named:
                     raise
-                skipped.append(str(exc))  # a stray Untitled.ipynb in a folder must not stop the others
+                # A stray Untitled.ipynb or an unreadable file in a folder must not stop the others.
+                skipped.append(str(exc) if isinstance(exc, UnusableInput) else f"{path}: {exc.strerror or exc}")
                 continue
             print(format_table(report), flush=True)
             reports.append(report)

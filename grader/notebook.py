@@ -49,7 +49,8 @@ def read_notebook(path: str | Path) -> nbformat.NotebookNode:
 
 def notebook_chapter(notebook: nbformat.NotebookNode) -> str | None:
     """The chapter a notebook belongs to, from the metadata the course writes into every notebook."""
-    chapter = notebook.metadata.get("dtp", {}).get("chapter")
+    course = notebook.metadata.get("dtp")
+    chapter = course.get("chapter") if isinstance(course, dict) else None
     return chapter if isinstance(chapter, str) else None
 
 

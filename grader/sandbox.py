@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dtp.world import die_with_parent
+
 
 @dataclass
 class ChildOutcome:
@@ -24,8 +26,9 @@ class ChildOutcome:
     exitcode: int | None = None
 
 
-def _child_main(task, writer, scratch_dir: str, workdir: str | None) -> None:
+def _child_main(task, writer, scratch_dir: str, workdir: str | None, parent_pid: int) -> None:
     os.setpgid(0, 0)
+    die_with_parent(parent_pid)  # a SIGKILLed grader cannot clean up; the kernel then ends us
     # A forked copy of a parent's OpenMP thread pool (a kernel that ran torch ops) can hang on its
     # first parallel region; one thread avoids that pool, and checks are small anyway.
     torch.set_num_threads(1)
@@ -47,6 +50,21 @@ def _child_main(task, writer, scratch_dir: str, workdir: str | None) -> None:
         os._exit(0)  # skip the parent's atexit handlers (a notebook kernel's, pytest's)
 
 
+SCRATCH_PREFIX = "dtp-sandbox-"
+
+
+def _remove_orphaned_scratch_dirs() -> None:
+    """Scratch folders of graders that were killed outright (SIGKILL runs no clean-up): their
+    names carry the grader's pid, so a folder whose grader is gone can go."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(SCRATCH_PREFIX):
+            continue
+        owner = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}") and os.path.isdir("/proc/self"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -59,8 +77,9 @@ def run_isolated(task, timeout_s: float, workdir: str | None = None) -> ChildOut
     in the folder `workdir` if given."""
     context = multiprocessing.get_context("fork")
     reader, writer = context.Pipe(duplex=False)
-    scratch_dir = tempfile.mkdtemp(prefix="dtp-sandbox-")
-    child = context.Process(target=_child_main, args=(task, writer, scratch_dir, workdir), daemon=False)
+    _remove_orphaned_scratch_dirs()
+    scratch_dir = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
+    child = context.Process(target=_child_main, args=(task, writer, scratch_dir, workdir, os.getpid()), daemon=False)
     child.start()
     try:
         os.setpgid(child.pid, child.pid)  # also here, so a kill right after start finds the group

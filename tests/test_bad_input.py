@@ -58,6 +58,19 @@ def test_notebook_of_no_known_chapter(tmp_path):
     assert_one_line_error(cli(path), "names no chapter")
 
 
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])
+def test_a_timeout_that_is_not_a_positive_number(value):
+    assert_one_line_error(cli(solution_path("dp"), "--timeout", value), "--timeout must be a positive number")
+
+
+def test_course_metadata_of_the_wrong_shape(tmp_path):
+    notebook = json.loads(solution_path("dp").read_text())
+    notebook["metadata"]["dtp"] = "dp"
+    path = tmp_path / "odd.ipynb"
+    path.write_text(json.dumps(notebook))
+    assert_one_line_error(cli(path), "names no chapter")
+
+
 def test_unknown_exercise_id_and_empty_folder(tmp_path):
     assert_one_line_error(cli(solution_path("dp"), "--only", "dp.nonsense"), "unknown exercise id")
     assert_one_line_error(cli(tmp_path), "no .ipynb")
@@ -182,3 +195,26 @@ def test_a_stray_notebook_in_a_folder_is_skipped_not_fatal(tmp_path):
     assert completed.stderr.strip().startswith("grader: skipped") and "Untitled.ipynb" in completed.stderr
     (tmp_path / "dp.ipynb").unlink()
     assert_one_line_error(cli(tmp_path), "no course notebook")
+
+
+def test_killing_the_grader_outright_still_ends_its_sandboxes_and_ranks(tmp_notebook):
+    """SIGKILL leaves the grader no chance to clean up: the kernel ends the children for it."""
+    path = tmp_notebook("dp", {"ring_all_reduce": "def ring_all_reduce(tensor):\n    while True:\n        pass\n"})
+    marker = uuid.uuid4().hex
+    grader = subprocess.Popen([sys.executable, "-m", "grader", str(path), "--only", "dp.ring_allreduce_gloo"],
+                              cwd=REPO, env={**os.environ, "DTP_TEST_MARKER": marker},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(live_processes_with_marker(marker)) < 4 and time.monotonic() < deadline:  # grader, sandbox, 2 ranks
+        time.sleep(0.2)
+    assert len(live_processes_with_marker(marker)) >= 4
+    grader.kill()
+    grader.wait()
+    deadline = time.monotonic() + 10
+    while live_processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert live_processes_with_marker(marker) == []
+    orphan = [name for name in os.listdir(tempfile.gettempdir()) if name.startswith(f"dtp-sandbox-{grader.pid}-")]
+    assert len(orphan) == 1  # a SIGKILLed grader cannot remove its scratch folder; the next grader does
+    assert grade(solution_path("dp"), "dp.ring_time")["dp.ring_time"].status == "passed"
+    assert not os.path.exists(os.path.join(tempfile.gettempdir(), orphan[0]))

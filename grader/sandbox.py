@@ -12,11 +12,20 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 import torch
 
 from dtp.world import die_with_parent
+
+
+_child_deadline: float | None = None  # set in a sandbox child: when the parent will kill it
+
+
+def seconds_left(default: float = 60.0) -> float:
+    """Inside a sandbox child, the time before the grader stops it; elsewhere `default`."""
+    return default if _child_deadline is None else max(_child_deadline - time.monotonic(), 0.0)
 
 
 @dataclass
@@ -26,7 +35,9 @@ class ChildOutcome:
     exitcode: int | None = None
 
 
-def _child_main(task, writer, scratch_dir: str, workdir: str | None, parent_pid: int) -> None:
+def _child_main(task, writer, scratch_dir: str, workdir: str | None, parent_pid: int, timeout_s: float) -> None:
+    global _child_deadline
+    _child_deadline = time.monotonic() + timeout_s
     os.setpgid(0, 0)
     die_with_parent(parent_pid)  # a SIGKILLed grader cannot clean up; the kernel then ends us
     # A forked copy of a parent's OpenMP thread pool (a kernel that ran torch ops) can hang on its
@@ -79,7 +90,7 @@ def run_isolated(task, timeout_s: float, workdir: str | None = None) -> ChildOut
     reader, writer = context.Pipe(duplex=False)
     _remove_orphaned_scratch_dirs()
     scratch_dir = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
-    child = context.Process(target=_child_main, args=(task, writer, scratch_dir, workdir, os.getpid()), daemon=False)
+    child = context.Process(target=_child_main, args=(task, writer, scratch_dir, workdir, os.getpid(), timeout_s), daemon=False)
     child.start()
     try:
         os.setpgid(child.pid, child.pid)  # also here, so a kill right after start finds the group

@@ -17,8 +17,15 @@ from dtp.world import run_world
 
 from ..compare import CheckFailed, expect, expect_close, expect_number
 from ..registry import exercise
+from ..sandbox import seconds_left
 
-WORLD_OPTIONS = dict(timeout_s=40.0, collective_timeout_s=8.0)
+
+
+def world_options() -> dict:
+    """Limits for a check's gloo world within the exercise's time limit: a deadlocked collective
+    must time out (and be reported as a deadlock) well before the sandbox is killed."""
+    left = seconds_left()
+    return dict(timeout_s=left, collective_timeout_s=min(8.0, left / 3))
 
 
 # --- 1. ring all-reduce over simulated ranks --------------------------------------------------
@@ -97,7 +104,7 @@ def check_ring_allreduce_gloo(student) -> str:
     for n in (2, 4):
         # n + 2 elements: chunking that yields fewer than n chunks (torch.chunk(6, 4) gives 3) shows up.
         sizes = [n * 64, n * int(rng.integers(20, 60)) + int(rng.integers(1, n)), n + 2, int(rng.integers(n, 5000))]
-        per_rank = run_world(_ring_on_rank, n, (ring, sizes, int(rng.integers(1 << 30))), **WORLD_OPTIONS)
+        per_rank = run_world(_ring_on_rank, n, (ring, sizes, int(rng.integers(1 << 30))), **world_options())
         for rank, outcomes in enumerate(per_rank):
             for size, result, expected, _, all_reduces, unchanged in outcomes:
                 expect(all_reduces == 0, "your ring called dist.all_reduce; build it from send/recv (or isend/irecv)")
@@ -196,7 +203,7 @@ def check_ddp_by_hand(student) -> str:
     average_gradients = student.average_gradients
     seed = int(np.random.default_rng().integers(1 << 20))
     for n in (2, 4):
-        outcomes = run_world(_data_parallel_on_rank, n, ("by_hand", average_gradients, None, seed), **WORLD_OPTIONS)
+        outcomes = run_world(_data_parallel_on_rank, n, ("by_hand", average_gradients, None, seed), **world_options())
         _check_update_ratio(outcomes, n)
         try:
             _compare_training(outcomes, n, "your average_gradients")
@@ -215,7 +222,7 @@ def check_bucketed_ddp(student) -> str:
     sizes = [p.numel() * 4 for p in tiny_mlp(MLP_SIZES).parameters()]
     caps = (1, int(np.random.default_rng().integers(sizes[0] + 64, sizes[0] + sizes[2])), 1 << 30)
     for n, cap in ((2, caps[0]), (4, caps[1]), (2, caps[2])):
-        outcomes = run_world(_data_parallel_on_rank, n, ("bucketed", bucketed, cap, seed), **WORLD_OPTIONS)
+        outcomes = run_world(_data_parallel_on_rank, n, ("bucketed", bucketed, cap, seed), **world_options())
         buckets = costs.ddp_bucket_sizes(sizes, cap)
         for rank, out in enumerate(outcomes):
             launched = [call["bytes"] for call in out["all_reduce_calls"]]

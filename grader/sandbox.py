@@ -90,7 +90,8 @@ def run_isolated(task, timeout_s: float, workdir: str | None = None) -> ChildOut
     reader, writer = context.Pipe(duplex=False)
     _remove_orphaned_scratch_dirs()
     scratch_dir = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
-    child = context.Process(target=_child_main, args=(task, writer, scratch_dir, workdir, os.getpid(), timeout_s), daemon=False)
+    child = context.Process(target=_child_main, daemon=False,
+                            args=(task, writer, scratch_dir, workdir, os.getpid(), timeout_s))
     child.start()
     try:
         os.setpgid(child.pid, child.pid)  # also here, so a kill right after start finds the group

@@ -78,7 +78,8 @@ def check_model_states(student) -> str:
                 raise CheckFailed(f"{what} is in {twin}, not {unit}: 1 {unit} = {UNIT_POWERS[unit]} bytes, "
                                   f"1 {twin} = {UNIT_POWERS[twin]} bytes")
             expect_number(answer, expected, what, rel=1e-9)
-    return f"right for all {len(RECIPE_NAMES)} recipes ({', '.join(str(memory.bytes_per_parameter(r)) for r in RECIPE_NAMES)} bytes per parameter) in bytes, GB, GiB, TB and TiB"
+    per_parameter = ", ".join(str(memory.bytes_per_parameter(recipe)) for recipe in RECIPE_NAMES)
+    return f"right for all {len(RECIPE_NAMES)} recipes ({per_parameter} bytes per parameter) in bytes, GB, GiB, TB and TiB"
 
 
 @exercise("memory.activations", points=2, reads=("activation_bytes_per_layer",), timeout_s=15)

@@ -79,6 +79,8 @@ def grade_notebook(path: str, only: list[str] | None = None, timeout_s: float | 
     exercises = chapter_exercises(chapter)
     if only:
         exercises = [ex for ex in exercises if ex.id in only]
+        if not exercises:
+            raise UnusableInput(f"{path}: none of the --only exercises belongs to its chapter, {chapter}")
     definitions = extract_definitions(notebook, {name for ex in exercises for name in ex.reads})
     report = NotebookReport(path=str(path), chapter=chapter)
     for exercise in exercises:

@@ -195,6 +195,15 @@ def test_a_stray_notebook_in_a_folder_is_skipped_not_fatal(tmp_path):
     assert_one_line_error(cli(tmp_path), "no course notebook")
 
 
+def test_only_ids_of_another_chapter(tmp_path):
+    assert_one_line_error(cli(solution_path("dp"), "--only", "memory.param_count"), "none of the --only exercises")
+    for chapter in ("dp", "memory"):
+        (tmp_path / f"{chapter}.ipynb").write_bytes(solution_path(chapter).read_bytes())
+    completed = cli(tmp_path, "--only", "memory.interview")
+    assert completed.returncode == 0 and "total 2/2" in completed.stdout
+    assert "skipped" in completed.stderr and "dp.ipynb" in completed.stderr
+
+
 def test_killing_the_grader_outright_still_ends_its_sandboxes_and_ranks(tmp_notebook):
     """SIGKILL leaves the grader no chance to clean up: the kernel ends the children for it."""
     path = tmp_notebook("dp", {"ring_all_reduce": "def ring_all_reduce(tensor):\n    while True:\n        pass\n"})

@@ -83,8 +83,8 @@ def grade_notebook(path: str, only: list[str] | None = None, timeout_s: float | 
             raise UnusableInput(f"{path}: none of the --only exercises belongs to its chapter, {chapter}")
     definitions = extract_definitions(notebook, {name for ex in exercises for name in ex.reads})
     report = NotebookReport(path=str(path), chapter=chapter)
+    workdir = str(Path(path).resolve().parent)  # where the learner's kernel would have run
     for exercise in exercises:
-        report.add(grade_exercise(exercise, lambda: StudentCode.from_definitions(definitions), timeout_s,
-                                  workdir=str(Path(path).resolve().parent)))
+        report.add(grade_exercise(exercise, lambda: StudentCode.from_definitions(definitions), timeout_s, workdir))
     report.elapsed_s = round(time.monotonic() - started, 3)
     return report

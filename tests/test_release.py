@@ -3,7 +3,7 @@ import nbformat
 import pytest
 
 from grader.release import PLACEHOLDER, ReplaceSolutions, exercise_text, out_of_date
-from conftest import EXERCISES, SOLUTIONS
+from conftest import SOLUTIONS
 
 
 def test_exercise_notebooks_are_in_sync_with_solutions():

@@ -20,7 +20,6 @@ from ..registry import exercise
 from ..sandbox import seconds_left
 
 
-
 def world_options() -> dict:
     """Limits for a check's gloo world within the exercise's time limit: a deadlocked collective
     must time out (and be reported as a deadlock) well before the sandbox is killed."""

@@ -33,16 +33,22 @@ def bus_bandwidth(size_bytes: float, time_s: float, n: int) -> float:
 
 
 def ddp_bucket_sizes(parameter_bytes: list[int], bucket_cap_bytes: int) -> list[int]:
-    """Bytes of each bucket of bucketed data parallelism, in the order they fill: walk the
-    parameters' sizes in reverse registration order (the order gradients become ready) and start
-    a new bucket whenever the next parameter would push the current one past the cap (a parameter
-    larger than the cap gets a bucket of its own). One all-reduce per bucket per step."""
+    """Bytes of each gradient bucket, in the order they fill, by the rule of torch's DDP
+    (`_compute_bucket_assignment_by_size`): walk the parameters in reverse registration order (the
+    order backward produces their gradients in a sequential model), add each to the open bucket,
+    and close the bucket once it holds at least the cap. A bucket can therefore exceed the cap by
+    up to one parameter. One all-reduce per bucket per step. (DDP also gives its first bucket a
+    1 MiB cap when the default cap is used, and puts everything in one bucket in the first
+    iteration; see the book.)"""
     buckets: list[int] = []
+    current = 0
     for size in reversed(parameter_bytes):
-        if buckets and buckets[-1] and buckets[-1] + size <= bucket_cap_bytes:
-            buckets[-1] += size
-        else:
-            buckets.append(size)
+        current += size
+        if current >= bucket_cap_bytes:
+            buckets.append(current)
+            current = 0
+    if current:
+        buckets.append(current)
     return buckets
 
 

@@ -41,8 +41,11 @@ RECIPES: dict[str, dict[str, int]] = {
     "mixed_sgd_momentum": {"fp16 weights": 2, "fp16 gradients": 2, "fp32 master weights": 4, "SGD momentum": 4},
 }
 
-# An "80GB" A100 holds 80 GiB: nvidia-smi reports 81920 MiB.
-GPU_80GB_BYTES = 80 * 2**30
+# Memory of some GPUs as nvidia-smi reports it, in MiB. The "GB" in a product's name is a label,
+# not a unit: an A100 80GB holds exactly 80 GiB, an H100 80GB somewhat less, an H200 "141GB"
+# about 140 GiB.
+GPU_MEMORY_MIB: dict[str, int] = {"A100 80GB": 81920, "H100 80GB": 81559, "H200": 143771}
+A100_80GB_BYTES = GPU_MEMORY_MIB["A100 80GB"] * 2**20
 
 UNITS: dict[str, int] = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                          "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -112,15 +115,45 @@ def transformer_training_flops(config: GPTConfig, batch: int, seq: int) -> float
     return 6 * batch * seq * matrix_weights + 3 * L * batch * 4 * seq * seq * h
 
 
+def model_flops_per_token(n_params: float, n_layers: int, hidden: int, seq: int) -> float:
+    """Model FLOPs per token of a training step as PaLM defines them (Chowdhery et al. 2022,
+    appendix B): 6N for the weights' matrix multiplies, plus 12·L·H·Q·T for attention's QKᵀ and
+    AV in forward and backward, where H·Q = hidden (heads times head size) and T = seq."""
+    return 6 * n_params + 12 * n_layers * hidden * seq
+
+
+def hardware_flops_per_token(n_params: float, n_layers: int, hidden: int, seq: int,
+                             recompute: str = "none") -> float:
+    """FLOPs the hardware performs per token. With full recomputation each layer's forward runs
+    twice, adding 2N + 4·L·h·s: 8N + 16·L·h·s in all. (Selective recomputation adds attention's
+    forward only.) Model FLOPs do not change with recomputation; hardware FLOPs do."""
+    model = model_flops_per_token(n_params, n_layers, hidden, seq)
+    if recompute == "none":
+        return model
+    if recompute == "selective":
+        return model + 4 * n_layers * hidden * seq
+    if recompute == "full":
+        return model + 2 * n_params + 4 * n_layers * hidden * seq
+    raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+
+
 def training_time_s(n_params: float, n_tokens: float, n_gpus: int, peak_flops: float, mfu: float) -> float:
-    """Wall-clock seconds to train on `n_tokens` at a model-FLOPs utilisation `mfu`."""
+    """Wall-clock seconds to train on `n_tokens`, with model FLOPs approximated by 6N per token,
+    at a model-FLOPs utilisation `mfu`."""
     return training_flops(n_params, n_tokens) / (n_gpus * peak_flops * mfu)
 
 
-def model_flops_utilization(n_params: float, tokens_per_s: float, n_gpus: int, peak_flops: float) -> float:
-    """MFU: the model's 6N FLOPs per token at the observed throughput, over the hardware's peak.
-    (Recomputed activations do not count: with them, the hardware does more than 6N.)"""
-    return 6 * n_params * tokens_per_s / (n_gpus * peak_flops)
+def model_flops_utilization(n_params: float, n_layers: int, hidden: int, seq: int, tokens_per_s: float,
+                            n_gpus: int, peak_flops: float) -> float:
+    """MFU: model FLOPs per token (PaLM's 6N + 12·L·h·s) at the observed throughput, over the peak."""
+    return model_flops_per_token(n_params, n_layers, hidden, seq) * tokens_per_s / (n_gpus * peak_flops)
+
+
+def hardware_flops_utilization(n_params: float, n_layers: int, hidden: int, seq: int, tokens_per_s: float,
+                               n_gpus: int, peak_flops: float, recompute: str = "full") -> float:
+    """HFU: the FLOPs the hardware really did (recomputation included) over the peak."""
+    flops = hardware_flops_per_token(n_params, n_layers, hidden, seq, recompute)
+    return flops * tokens_per_s / (n_gpus * peak_flops)
 
 
 # --- one GPU's memory, by component -----------------------------------------------------------

@@ -1,46 +1,125 @@
-"""Counting what a rank sends, to put measured bytes beside the formulas."""
+"""Recording what a rank communicates, to put measured bytes beside the formulas and to let the
+grader check how an exercise communicates, not only what it computes.
+
+Every torch.distributed call (`dist.send`, `dist.isend`, a `send` imported by name,
+`batch_isend_irecv`, `all_reduce`, `all_gather_into_tensor`, ...) ends up in a method of the
+ProcessGroup object; `CommunicationLog` wraps those methods for as long as it is open, so each
+operation is recorded once, whichever API issued it. The methods it calls through are the ones
+this module found when it was imported, before any learner code could replace them.
+"""
 from __future__ import annotations
 
-import sys
+import time
 
-from torch._C._distributed_c10d import ProcessGroup
+import torch
+from torch._C._distributed_c10d import ProcessGroup, Work
+
+# ProcessGroup method -> (operation, index of the argument holding this rank's input tensors)
+_OPERATIONS = {
+    "send": ("send", 0), "recv": ("recv", 0), "recv_anysource": ("recv", 0),
+    "allreduce": ("all_reduce", 0), "allreduce_coalesced": ("all_reduce", 0),
+    "allgather": ("all_gather", 1), "allgather_coalesced": ("all_gather", 1),
+    "allgather_into_tensor_coalesced": ("all_gather", 1), "all_gather_single": ("all_gather", 1),
+    "all_gather_single_coalesced": ("all_gather", 1), "_allgather_base": ("all_gather", 1),
+    "reduce_scatter": ("reduce_scatter", 1), "reduce_scatter_single": ("reduce_scatter", 1),
+    "reduce_scatter_single_coalesced": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1), "_reduce_scatter_base": ("reduce_scatter", 1),
+    "alltoall": ("all_to_all", 1), "all_to_all_single": ("all_to_all", 1), "alltoall_base": ("all_to_all", 1),
+    "broadcast": ("broadcast", 0), "reduce": ("reduce", 0), "gather": ("gather", 1), "scatter": ("scatter", 0),
+    "barrier": ("barrier", None), "monitored_barrier": ("barrier", None),
+}
+_ORIGINALS = {name: vars(ProcessGroup)[name] for name in _OPERATIONS if name in vars(ProcessGroup)}
+_ORIGINAL_WAIT = vars(Work)["wait"]
 
 
-class TrafficCounter:
-    """Inside one rank, count the bytes sent point to point and the all-reduces launched.
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
-    Use it as `with TrafficCounter() as traffic: ...`. The counting happens on the process
-    group itself, where every torch.distributed call ends up (`dist.isend`, a `send` imported
-    by name, `batch_isend_irecv`), so each byte is counted once whichever API sent it.
+
+def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def _group_ranks(group) -> tuple[int, ...] | None:
+    try:
+        import torch.distributed as dist
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - a group torch no longer knows
+        return None
+
+
+class CommunicationLog:
+    """Inside one rank: `with CommunicationLog() as log: ...` records every operation in order.
+
+    Each event is a dict: "op" ("send", "recv", "all_reduce", "all_gather", "reduce_scatter",
+    "all_to_all", "broadcast", "reduce", "gather", "scatter", "barrier", "wait" or "mark"),
+    "bytes" (this rank's input: what it sends, or contributes to a collective), "peer" (for
+    send/recv, the group rank of the other side), "root" (broadcast, reduce, ...), "group" (the
+    global ranks of the group), "t" (perf_counter when issued), and with `payloads=True` a copy
+    of every sent tensor as "payload". A "wait" event names the event whose handle was waited on.
     """
 
-    def __init__(self):
-        self.bytes_sent = 0
-        # Per all-reduce: "bytes", and "async_op" as torch.distributed.all_reduce was called
-        # (None when the process group was reached another way).
-        self.all_reduce_calls: list[dict] = []
-        self._originals = {}
+    def __init__(self, payloads: bool = False):
+        self.payloads = payloads
+        self.events: list[dict] = []
+        self._handles: dict[int, tuple[int, Work]] = {}  # id(work) -> (event index, work kept alive)
+
+    # --- reading the log ---
+    def of(self, *ops: str) -> list[dict]:
+        return [event for event in self.events if event["op"] in ops]
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes sent point to point."""
+        return sum(event["bytes"] for event in self.of("send"))
+
+    def mark(self, label: str) -> None:
+        """Put a named point into the sequence (e.g. "optimizer step"), to order events against."""
+        self.events.append({"op": "mark", "label": label, "t": time.perf_counter()})
+
+    # --- recording ---
+    def _record(self, method: str, group, args) -> dict:
+        op, index = _OPERATIONS[method]
+        event = {"op": op, "bytes": 0 if index is None or len(args) <= index else _nbytes(args[index]),
+                 "group": _group_ranks(group), "t": time.perf_counter()}
+        if op in ("send", "recv"):
+            event["peer"] = args[1] if method != "recv_anysource" else None
+            if op == "send" and self.payloads:
+                event["payload"] = [t.detach().clone() for t in _tensors(args[0])]
+        elif len(args) > 1 and hasattr(args[-1], "rootRank"):
+            event["root"] = args[-1].rootRank
+        self.events.append(event)
+        return event
 
     def __enter__(self):
-        counter = self
-        send, allreduce = ProcessGroup.send, ProcessGroup.allreduce
-        # Restore the class's own descriptors: the attributes read above no longer bind as methods.
-        self._originals = {"send": vars(ProcessGroup)["send"], "allreduce": vars(ProcessGroup)["allreduce"]}
+        log = self
 
-        def counted_send(group, tensors, *args, **kwargs):
-            counter.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
-            return send(group, tensors, *args, **kwargs)
+        def wrap(method, original):
+            def recorded(group, *args, **kwargs):
+                log._record(method, group, args)
+                index = len(log.events) - 1
+                work = original(group, *args, **kwargs)
+                if isinstance(work, Work):
+                    log._handles[id(work)] = (index, work)
+                return work
+            return recorded
 
-        def counted_allreduce(group, tensors, *args, **kwargs):
-            tensors_list = tensors if isinstance(tensors, (list, tuple)) else [tensors]
-            caller = sys._getframe(1)  # torch.distributed.all_reduce, however the learner imported it
-            counter.all_reduce_calls.append({"bytes": sum(t.numel() * t.element_size() for t in tensors_list),
-                                             "async_op": caller.f_locals.get("async_op")})
-            return allreduce(group, tensors, *args, **kwargs)
+        def recorded_wait(work, *args, **kwargs):
+            handle = log._handles.get(id(work))
+            if handle is not None and handle[1] is work:
+                log.events.append({"op": "wait", "of": handle[0], "t": time.perf_counter()})
+            return _ORIGINAL_WAIT(work, *args, **kwargs)
 
-        ProcessGroup.send, ProcessGroup.allreduce = counted_send, counted_allreduce
+        for method, original in _ORIGINALS.items():
+            setattr(ProcessGroup, method, wrap(method, original))
+        Work.wait = recorded_wait
         return self
 
     def __exit__(self, *exc):
-        for name, original in self._originals.items():
-            setattr(ProcessGroup, name, original)
+        for method, original in _ORIGINALS.items():
+            setattr(ProcessGroup, method, original)
+        Work.wait = _ORIGINAL_WAIT

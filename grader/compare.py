@@ -53,3 +53,24 @@ def expect_number(actual, expected: float, what: str, *, rel: float = 1e-6) -> N
     if not np.isclose(actual, expected, rtol=rel, atol=0.0):
         ratio = actual / expected if expected else float("inf")
         raise CheckFailed(f"{what} is {actual:.6g}, expected {expected:.6g} (yours is {ratio:.4g}x the answer)")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def expect_answer(actual, expected: float, what: str, *, rel: float = 1e-6, slips: dict[str, float] | None = None) -> None:
+    """A scalar answer within a relative tolerance of `expected`. Only a wrong answer is compared
+    with `slips` (feedback -> the value that mistake gives), so a slip that happens to equal the
+    right answer for some inputs (busbw = algbw at n = 2) never fails a correct one."""
+    if not _is_number(actual):
+        raise CheckFailed(f"{what} should be a number, but it is a {type(actual).__name__}")
+    actual = float(actual)
+    if not np.isfinite(actual):
+        raise CheckFailed(f"{what} is {actual}, not a finite number")
+    if np.isclose(actual, expected, rtol=rel, atol=0.0):
+        return
+    for feedback, value in (slips or {}).items():
+        if np.isclose(actual, value, rtol=rel, atol=0.0):
+            raise CheckFailed(f"{what} is {actual:.6g}, expected {expected:.6g}: {feedback}")
+    expect_number(actual, expected, what, rel=rel)

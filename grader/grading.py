@@ -1,18 +1,23 @@
-"""Grading: each exercise's check runs against the learner's code in its own sandbox child."""
+"""Grading: each exercise's check draws inputs here, runs the learner's code on them in a
+sandbox (grader/sandbox.py), and judges the plain data that comes back here."""
 from __future__ import annotations
 
 import time
 import traceback
 from pathlib import Path
 
-from dtp.world import WorldError
+import numpy as np
 
+from . import guard
 from .compare import CheckFailed
 from .notebook import UnusableInput, extract_definitions, notebook_chapter, read_notebook
 from .registry import CHAPTER_MODULES, Exercise, chapter_exercises
-from .report import ExerciseResult, NotebookReport
+from .report import ExerciseResult, NotebookReport, one_line
 from .sandbox import run_isolated
 from .student import MissingDefinition, StudentCode
+from .transport import plain
+
+NOT_IMPLEMENTED = "not implemented yet{where}: replace the `raise NotImplementedError` with your code"
 
 
 def _where_in_notebook(exc: BaseException) -> str:
@@ -28,43 +33,95 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:240]}" if text else type(exc).__name__
 
 
-def run_check(exercise: Exercise, student: StudentCode) -> tuple[str, str]:
-    """(status, feedback) of one check; runs inside the sandbox child."""
+def world_failure(world) -> tuple[str, str]:
+    """(status, feedback) for a gloo world whose ranks failed."""
+    if world.exc_type == "NotImplementedError":
+        return "missing", "not implemented yet: a rank hit `raise NotImplementedError`"
+    if world.exc_type == "UsesCourseReference":
+        return "reference", str(world).split("UsesCourseReference: ", 1)[-1]
+    if world.exc_type == "CheckFailed":
+        return "failed", str(world).split("CheckFailed: ", 1)[-1]
+    return ("timeout" if world.kind in ("collective_timeout", "timeout") else "error"), str(world)
+
+
+def collect_in_sandbox(exercise: Exercise, load_student, inputs) -> tuple[str, object]:
+    """Runs in the sandbox: guard the course's answers, load the learner's code, run `collect`.
+    Returns ("data", plain data) or (status, feedback) with status missing, error, failed,
+    timeout or reference."""
+    from dtp.world import WorldError
+
+    guard.install(exercise.check.references)
     try:
-        return "passed", exercise.check(student)
+        data = exercise.check.collect(load_student(), inputs)
+        if guard.tripped:  # the learner's code caught the trip and went on
+            return "reference", f"calls the course's reference {guard.tripped[0]}"
+        return "data", plain(data)
+    except guard.UsesCourseReference as exc:
+        return "reference", str(exc)
     except CheckFailed as failed:
         return "failed", str(failed)
     except MissingDefinition as missing:
         return "missing", str(missing)
     except NotImplementedError as exc:
-        return "missing", f"not implemented yet{_where_in_notebook(exc)}: replace the `raise NotImplementedError` with your code"
+        return "missing", NOT_IMPLEMENTED.format(where=_where_in_notebook(exc))
     except WorldError as world:
-        if world.exc_type == "NotImplementedError":
-            return "missing", "not implemented yet: a rank hit `raise NotImplementedError`"
-        if world.exc_type == "CheckFailed":
-            return "failed", str(world).split("CheckFailed: ", 1)[-1]
-        status = "timeout" if world.kind in ("collective_timeout", "timeout") else "error"
-        return status, str(world)
+        return world_failure(world)
     except SystemExit as exc:
         return "error", f"your code called sys.exit({exc.code!r}){_where_in_notebook(exc)}; return a value instead"
     except BaseException as exc:  # noqa: BLE001 - anything the learner's code raises costs only this exercise
         return "error", f"{_short(exc)}{_where_in_notebook(exc)}"
 
 
+def judge(exercise: Exercise, inputs, data) -> tuple[str, str]:
+    """(status, feedback) from the data the learner's code produced; runs in the grader."""
+    from .checks.common import RanksFailed
+
+    try:
+        return "passed", exercise.check.judge(inputs, data)
+    except CheckFailed as failed:
+        return "failed", str(failed)
+    except RanksFailed as ranks:
+        return _learner_status(ranks.status, str(ranks))
+    except Exception as exc:  # noqa: BLE001 - data of an unexpected shape (a dict where a list was due, ...)
+        return "failed", f"your code returned data of an unexpected form ({_short(exc)})"
+
+
+def verdict(exercise: Exercise, inputs, outcome, limit_s: float) -> tuple[str, str]:
+    """(status, feedback) for a sandbox outcome: only `judge` can say passed."""
+    if outcome.kind == "timeout":
+        return "timeout", f"stopped after {limit_s:g}s: an endless loop, or a collective that never completes?"
+    if outcome.kind == "unreadable":
+        return "error", f"your code's results could not be read back: {outcome.value}"
+    if outcome.kind != "returned":
+        return "error", (f"the process running your code ended abruptly (exit code {outcome.exitcode}): "
+                         "os._exit, a crash, or running out of memory")
+    value = outcome.value
+    if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)):
+        return "error", "your code's results came back in a form the grader did not send"
+    status, body = value
+    if status == "data":
+        return judge(exercise, inputs, body)
+    return _learner_status(status, str(body))
+
+
+def _learner_status(status: str, feedback: str) -> tuple[str, str]:
+    """A status reported from the sandbox, which can lower a score but never raise it."""
+    if status == "reference":
+        return "failed", f"uses the course's reference, not your own code: {feedback}"
+    if status in ("missing", "error", "failed", "timeout"):
+        return status, feedback
+    return "error", "your code's results came back in a form the grader did not send"
+
+
 def grade_exercise(exercise: Exercise, load_student, timeout_s: float | None = None,
                    workdir: str | None = None) -> ExerciseResult:
-    """Grade one exercise in a sandbox; `load_student()` runs in the child and returns StudentCode."""
+    """Grade one exercise; `load_student()` runs in the sandbox and returns StudentCode."""
     limit = timeout_s if timeout_s is not None else exercise.timeout_s
-    outcome = run_isolated(lambda: run_check(exercise, load_student()), limit, workdir)
-    if outcome.kind == "returned":
-        status, feedback = outcome.value
-    elif outcome.kind == "timeout":
-        status, feedback = "timeout", f"stopped after {limit:g}s: an endless loop, or a collective that never completes?"
-    else:
-        status, feedback = "error", (f"the process running your code ended abruptly (exit code {outcome.exitcode}): "
-                                     "os._exit, a crash, or running out of memory")
+    inputs = exercise.check.prepare(np.random.default_rng())
+    outcome = run_isolated(lambda: collect_in_sandbox(exercise, load_student, inputs), limit, workdir)
+    status, feedback = verdict(exercise, inputs, outcome, limit)
     points = exercise.points if status == "passed" else 0
-    return ExerciseResult(exercise.id, points, exercise.points, status, str(feedback))
+    return ExerciseResult(exercise.id, points, exercise.points, status, one_line(feedback))
 
 
 def grade_notebook(path: str, only: list[str] | None = None, timeout_s: float | None = None) -> NotebookReport:

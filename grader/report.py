@@ -2,10 +2,21 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 STATUSES = ("passed", "failed", "error", "timeout", "missing")
 _MARKS = {"passed": "✓", "failed": "✗", "error": "!", "timeout": "⏱", "missing": "·"}
+
+
+MAX_FEEDBACK_CHARS = 600
+
+
+def one_line(text: str) -> str:
+    """Feedback as one line of printable text: the learner's exception messages reach it, and
+    they must not be able to add lines to the grader's table."""
+    text = re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+", " ", str(text)).strip()
+    return text if len(text) <= MAX_FEEDBACK_CHARS else text[:MAX_FEEDBACK_CHARS - 1] + "…"
 
 
 @dataclass

@@ -14,13 +14,15 @@ SOLUTION_BLOCK = re.compile(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", re.S)
 
 
 def solution_lines() -> set[str]:
-    """Distinctive lines of code that only the solutions contain."""
-    lines = set()
+    """Distinctive lines of code that only the solutions contain (not also in the notebook's
+    own statements and demos, outside the solution markers)."""
+    lines, public = set(), set()
     for path in SOLUTIONS.glob("*.ipynb"):
         for cell in nbformat.read(path, as_version=4).cells:
             for block in SOLUTION_BLOCK.findall(cell.source):
                 lines |= {line.strip() for line in block.splitlines() if len(line.strip()) > 25}
-    return lines
+            public |= {line.strip() for line in SOLUTION_BLOCK.sub("", cell.source).splitlines()}
+    return lines - public
 
 
 @pytest.mark.parametrize("exercise", sorted(EXERCISES.glob("*.ipynb")), ids=lambda p: p.name)

@@ -7,7 +7,9 @@ import torch
 from conftest import solution_path
 from dtp import costs
 from dtp.measure import fit_alpha_beta
-from dtp.traffic import TrafficCounter
+from dtp.models import tiny_mlp
+from dtp.simulated import SimulatedNetwork
+from dtp.traffic import CommunicationLog
 from dtp.world import run_world
 from grader.student import StudentCode
 
@@ -20,14 +22,15 @@ def course():
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_ring_bytes_formula_matches_the_simulated_ring(course, n):
     size_elements = n * 1000
-    _, sent = course.ring_all_reduce_numpy([np.ones(size_elements) for _ in range(n)])
-    assert sent == [costs.ring_all_reduce_bytes_per_rank(n, size_elements * 8)] * n
+    network = SimulatedNetwork(n)
+    course.ring_all_reduce_numpy([np.ones(size_elements) for _ in range(n)], network)
+    assert network.bytes_sent == [costs.ring_all_reduce_bytes_per_rank(n, size_elements * 8)] * n
 
 
 def _count_ring_bytes(rank, world_size, ring, elements):
-    with TrafficCounter() as traffic:
+    with CommunicationLog() as log:
         ring(torch.ones(elements))
-    return traffic.bytes_sent
+    return log.bytes_sent
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -60,22 +63,33 @@ def test_fit_recovers_alpha_and_beta_from_model_times():
 
 
 @pytest.mark.parametrize("cap", [1, 100, 1000, 5000, 10**9])
-def test_bucket_sizes_follow_the_greedy_rule(cap):
+def test_bucket_sizes_follow_torchs_own_assignment(cap):
+    """torch's DDP assigns buckets with dist._compute_bucket_assignment_by_size, given the
+    parameters in the order their gradients become ready; our closed form must agree."""
     rng = np.random.default_rng(cap)
-    parameters = [int(b) for b in rng.integers(4, 3000, size=12)]
-    buckets = costs.ddp_bucket_sizes(parameters, cap)
-    assert sum(buckets) == sum(parameters)
-    walk = list(reversed(parameters))
-    position = 0
-    for bucket in buckets:  # each bucket is a run of the reversed sizes, as long as the cap allows
-        run = [walk[position]]
-        while position + len(run) < len(walk) and sum(run) + walk[position + len(run)] <= cap:
-            run.append(walk[position + len(run)])
-        assert bucket == sum(run)
-        position += len(run)
-    assert costs.ddp_bucket_count(parameters, cap) == len(buckets)
-    assert costs.ddp_bucket_count(parameters, 1) == len(parameters)
-    assert costs.ddp_bucket_count(parameters, 10**9) == 1
+    parameters = [torch.empty(int(n)) for n in rng.integers(1, 750, size=12)]
+    sizes = [p.numel() * 4 for p in parameters]
+    assignment, _ = torch.distributed._compute_bucket_assignment_by_size(list(reversed(parameters)), [cap])
+    torch_buckets = [sum(sizes[len(sizes) - 1 - i] for i in bucket) for bucket in assignment]
+    assert costs.ddp_bucket_sizes(sizes, cap) == torch_buckets
+    assert costs.ddp_bucket_count(sizes, 1) == len(sizes) and costs.ddp_bucket_count(sizes, 10**9) == 1
+
+
+def _ddp_rebuilt_buckets(rank, world_size, widths, cap_bytes):
+    model = tiny_mlp(widths, seed=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap_bytes / 2**20)
+    for _ in range(2):  # buckets are rebuilt in gradient-ready order after the first iteration
+        ddp(torch.randn(3, widths[0])).sum().backward()
+    ddp(torch.randn(3, widths[0]))  # logging data is refreshed in forward
+    rebuilt = ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"]
+    return [int(b) for b in rebuilt.split(", ")], [p.numel() * 4 for p in model.parameters()]
+
+
+def test_bucket_sizes_equal_what_torch_ddp_builds():
+    widths, cap = (24, 48, 40, 32, 16, 8), 6000
+    rebuilt, sizes = run_world(_ddp_rebuilt_buckets, 2, (widths, cap))[0]
+    assert rebuilt == costs.ddp_bucket_sizes(sizes, cap)
+    assert any(bucket > cap for bucket in rebuilt)  # a bucket closes once it reaches the cap, so it can exceed it
 
 
 def test_latency_and_bandwidth_terms_cross_at_n_alpha_beta():

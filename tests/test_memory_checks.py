@@ -36,7 +36,9 @@ def test_param_count_template_passes(tmp_notebook):
     (dict(BIAS="1"), "with bias=False no Linear or LayerNorm has a bias"),
     (dict(TOTAL="embeddings + config.n_layers * block + output"), "final LayerNorm"),
     (dict(TOTAL="float(embeddings + config.n_layers * block + layer_norm + output)"), "should return an int"),
-], ids=["no-positions", "tied-counted-twice", "untied-head-missing", "biases-always", "no-final-norm", "float"])
+    (dict(TOTAL="count_parameters(GPT(config))"), "uses the course's reference"),
+], ids=["no-positions", "tied-counted-twice", "untied-head-missing", "biases-always", "no-final-norm", "float",
+        "counts-the-torch-model"])
 def test_param_count_rejects(tmp_notebook, changes, feedback):
     result = grade(tmp_notebook("memory", {"gpt_parameter_count": count_variant(**changes)}), "memory.param_count")
     assert result["memory.param_count"].status == "failed"
@@ -79,11 +81,12 @@ RIGHT_ACTIVATIONS = dict(FULL="2 * s * b * h", UNSPLIT="34 / t if sequence_paral
 
 
 @pytest.mark.parametrize("changes, feedback", [
-    (dict(ATTENTION="0"), "leaves out attention"),
+    (dict(ATTENTION="0"), "attention's 5as/(ht)·sbh bytes"),
     (dict(UNSPLIT="34 / t"), "not divided by t"),
+    (dict(ATTENTION='0 if recompute == "selective" else 5 * a * s / (h * t) * (h / a / 128)'), "expected"),
     (dict(ATTENTION='0 if recompute == "selective" else 5 * a * s / h'), "expected"),
     (dict(FULL="2 * s * b * h / t"), "expected"),
-], ids=["no-attention-term", "sequence-parallel-always", "attention-not-split", "full-divided"])
+], ids=["no-attention-term", "sequence-parallel-always", "assumes-head-size-128", "attention-not-split", "full-divided"])
 def test_activations_reject(tmp_notebook, changes, feedback):
     source = ACTIVATIONS.format(**{**RIGHT_ACTIVATIONS, **changes})
     result = grade(tmp_notebook("memory", {"activation_bytes_per_layer": source}), "memory.activations")["memory.activations"]
@@ -95,35 +98,52 @@ def training_days(n_params, n_tokens, n_gpus, peak_flops_per_gpu, mfu):
     return {DAYS}
 
 
-def mfu(n_params, tokens_per_s, n_gpus, peak_flops_per_gpu):
-    return {MFU}
+def mfu(n_params, n_layers, hidden, seq, tokens_per_s, n_gpus, peak_flops_per_gpu):
+    return ({MODEL_FLOPS}) * tokens_per_s / ({MFU_GPUS}peak_flops_per_gpu)
+
+
+def hfu(n_params, n_layers, hidden, seq, tokens_per_s, n_gpus, peak_flops_per_gpu):
+    return ({HARDWARE_FLOPS}) * tokens_per_s / (n_gpus * peak_flops_per_gpu)
 '''
-RIGHT_DAYS = "6 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu * mfu) / 86400"
-RIGHT_MFU = "6 * n_params * tokens_per_s / (n_gpus * peak_flops_per_gpu)"
+RIGHT_TIME = dict(DAYS="6 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu * mfu) / 86400",
+                  MODEL_FLOPS="6 * n_params + 12 * n_layers * hidden * seq", MFU_GPUS="n_gpus * ",
+                  HARDWARE_FLOPS="8 * n_params + 16 * n_layers * hidden * seq")
 
 
-@pytest.mark.parametrize("days, utilization, feedback", [
-    ("2 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu * mfu) / 86400", RIGHT_MFU, "not 2N"),
-    ("6 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu * mfu)", RIGHT_MFU, "in seconds"),
-    ("6 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu) / 86400", RIGHT_MFU, "expected"),
-    (RIGHT_DAYS, "6 * n_params * tokens_per_s / peak_flops_per_gpu", "mfu("),
-], ids=["2N", "seconds", "no-mfu", "mfu-one-gpu"])
-def test_training_time_rejects(tmp_notebook, days, utilization, feedback):
-    source = TIME.format(DAYS=days, MFU=utilization)
+@pytest.mark.parametrize("changes, feedback", [
+    (dict(), None),
+    (dict(DAYS="2 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu * mfu) / 86400"), "not 2N"),
+    (dict(DAYS="6 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu * mfu)"), "in seconds"),
+    (dict(DAYS="6 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu) / 86400"), "expected"),
+    (dict(MODEL_FLOPS="6 * n_params"), "PaLM's model FLOPs add attention"),
+    (dict(MODEL_FLOPS="8 * n_params + 16 * n_layers * hidden * seq"), "recomputation does not change"),
+    (dict(MFU_GPUS=""), "mfu("),
+    (dict(HARDWARE_FLOPS="6 * n_params + 12 * n_layers * hidden * seq"), "runs every forward twice"),
+    (dict(HARDWARE_FLOPS="8 * n_params + 12 * n_layers * hidden * seq"), "but not its attention"),
+], ids=["right", "2N", "seconds", "no-mfu", "mfu-without-attention", "mfu-with-recompute", "mfu-one-gpu",
+        "hfu-is-mfu", "hfu-without-attention-recompute"])
+def test_training_time(tmp_notebook, changes, feedback):
+    source = TIME.format(**{**RIGHT_TIME, **changes})
     result = grade(tmp_notebook("memory", {"training_days": source}), "memory.training_time")["memory.training_time"]
-    assert result.status == "failed" and feedback in result.feedback
+    if feedback is None:
+        assert result.status == "passed", result
+    else:
+        assert result.status == "failed" and feedback in result.feedback, result
 
 
-@pytest.mark.parametrize("answers, feedback", [
-    ("interview_70b_model_states_tb = 70e9 * 16 / 2**40\ninterview_largest_model_on_80gib = 80 * 2**30 / 16\n"
-     "interview_gpt3_days = 22.8", "interview_70b_model_states_tb"),
-    ("interview_70b_model_states_tb = 1.12\ninterview_largest_model_on_80gib = 80 * 2**30 / 20\ninterview_gpt3_days = 22.8",
-     "interview_largest_model_on_80gib"),
-    ("interview_70b_model_states_tb = 1.12\ninterview_largest_model_on_80gib = 80e9 / 16\ninterview_gpt3_days = 22.8",
-     "took 80 GiB as 80·10⁹ bytes"),
-    ("interview_70b_model_states_tb = 1.12\ninterview_largest_model_on_80gib = 80 * 2**30 / 16\n"
-     "interview_gpt3_days = 22.8 / 3", "interview_gpt3_days"),
-], ids=["tib-for-tb", "20-bytes", "gb-for-gib", "2N-days"])
-def test_interview_rejects(tmp_notebook, answers, feedback):
+INTERVIEW_RIGHT = dict(tb="70e9 * 16 / 1e12", largest="81920 * 2**20 / 16", days="22.8")
+
+
+@pytest.mark.parametrize("changes, feedback", [
+    (dict(tb="70e9 * 16 / 2**40"), "that is in TiB"),
+    (dict(largest="81920 * 2**20 / 20"), "interview_largest_model_on_a100_80gb"),
+    (dict(largest="80e9 / 16"), "takes 80GB as 80·10⁹ bytes"),
+    (dict(largest="81920 * 2**20 / 16 / 1e9"), "in billions"),
+    (dict(days="22.8 / 3"), "interview_gpt3_days"),
+], ids=["tib-for-tb", "20-bytes", "gb-for-gib", "billions", "2N-days"])
+def test_interview_rejects(tmp_notebook, changes, feedback):
+    values = {**INTERVIEW_RIGHT, **changes}
+    answers = (f"interview_70b_model_states_tb = {values['tb']}\ninterview_largest_model_on_a100_80gb = "
+               f"{values['largest']}\ninterview_gpt3_days = {values['days']}")
     result = grade(tmp_notebook("memory", {"interview_70b_model_states_tb": answers}), "memory.interview")["memory.interview"]
-    assert result.status == "failed" and feedback in result.feedback
+    assert result.status == "failed" and feedback in result.feedback, result

@@ -66,25 +66,51 @@ def test_training_flops_formula_matches_pytorchs_flop_counter(config, seq):
     assert training_flops_counted(build_on_meta(config), 2, seq) == memory.transformer_training_flops(config, 2, seq)
 
 
-def test_training_time_and_mfu_are_consistent():
-    n, tokens, gpus, peak, mfu = 7e9, 1e12, 256, 9.89e14, 0.41
-    seconds = memory.training_time_s(n, tokens, gpus, peak, mfu)
-    assert memory.model_flops_utilization(n, tokens / seconds, gpus, peak) == pytest.approx(mfu)
-    assert memory.training_flops(n, tokens) == 6 * n * tokens
-
-
-def test_full_recomputation_adds_one_forward_pass_so_about_8n():
-    """The book: with full recomputation the hardware does about 8N FLOPs per token (MFU still counts 6N)."""
+def _counted_flops(config, batch, seq, recompute_fully=False) -> int:
     from torch.utils.checkpoint import checkpoint
     from torch.utils.flop_counter import FlopCounterMode
 
-    config, batch, seq = GPTConfig(n_layers=2, hidden=64, n_heads=4, vocab_size=100, n_positions=32), 2, 32
     model = GPT(config)
-    forwards = [block.forward for block in model.blocks]
-    for block, forward in zip(model.blocks, forwards):
-        block.forward = lambda x, forward=forward: checkpoint(forward, x, use_reentrant=False)
+    if recompute_fully:
+        for block in model.blocks:
+            block.forward = lambda x, forward=block.forward: checkpoint(forward, x, use_reentrant=False)
     with FlopCounterMode(display=False) as counter:
         model(torch.zeros(batch, seq, dtype=torch.long)).sum().backward()
-    h, L = config.hidden, config.n_layers
-    block_forward = 2 * batch * seq * L * (4 + 2 * config.mlp_ratio) * h * h + 4 * L * batch * seq * seq * h
-    assert counter.get_total_flops() == memory.transformer_training_flops(config, batch, seq) + block_forward
+    return counter.get_total_flops()
+
+
+SMALL = GPTConfig(n_layers=2, hidden=64, n_heads=4, vocab_size=100, n_positions=32)
+
+
+def _matrix_weights(config, blocks_only=False) -> int:
+    """Weights that multiply something (the embeddings are look-ups; the tied output layer multiplies)."""
+    blocks = config.n_layers * (4 + 2 * config.mlp_ratio) * config.hidden ** 2
+    return blocks if blocks_only else blocks + config.vocab_size * config.hidden
+
+
+def test_palm_model_flops_per_token_match_pytorchs_flop_counter():
+    """PaLM's 6N + 12·L·h·s, with N the weights that multiply, is exactly what PyTorch counts."""
+    batch, seq = 2, 32
+    per_token = memory.model_flops_per_token(_matrix_weights(SMALL), SMALL.n_layers, SMALL.hidden, seq)
+    assert _counted_flops(SMALL, batch, seq) == per_token * batch * seq
+
+
+def test_full_recomputation_adds_one_forward_of_every_block():
+    """HFU's hardware FLOPs: the recomputed forward adds 2N + 4·L·h·s per token for the blocks'
+    N weights, which makes 8N + 16·L·h·s when the blocks hold the weights."""
+    batch, seq = 2, 32
+    extra = _counted_flops(SMALL, batch, seq, recompute_fully=True) - _counted_flops(SMALL, batch, seq)
+    n = _matrix_weights(SMALL, blocks_only=True)
+    args = (n, SMALL.n_layers, SMALL.hidden, seq)
+    assert extra == (memory.hardware_flops_per_token(*args, "full") - memory.model_flops_per_token(*args)) * batch * seq
+    assert memory.hardware_flops_per_token(*args, "full") == 8 * n + 16 * SMALL.n_layers * SMALL.hidden * seq
+
+
+def test_training_time_mfu_and_hfu_are_consistent():
+    n, layers, hidden, seq, tokens, gpus, peak, mfu = 7e9, 32, 4096, 4096, 1e12, 256, 9.89e14, 0.41
+    seconds = memory.training_time_s(n, tokens, gpus, peak, mfu)
+    assert memory.training_flops(n, tokens) == 6 * n * tokens
+    measured = memory.model_flops_utilization(n, layers, hidden, seq, tokens / seconds, gpus, peak)
+    assert measured == pytest.approx(mfu * (1 + 12 * layers * hidden * seq / (6 * n)))  # PaLM adds attention
+    hfu = memory.hardware_flops_utilization(n, layers, hidden, seq, tokens / seconds, gpus, peak)
+    assert hfu / measured == pytest.approx((8 * n + 16 * layers * hidden * seq) / (6 * n + 12 * layers * hidden * seq))

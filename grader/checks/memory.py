@@ -1,7 +1,8 @@
 """Checks of the memory and compute chapter (notebook 01_memory).
 
-Oracles: `numel` of a real torch GPT built from the same random config (on the meta device, so
-even large configs cost nothing), and the closed forms of `dtp.memory`."""
+Oracles, computed in the grader: `numel` of a real torch GPT built from the same random config
+(on the meta device, so even large configs cost nothing), and the closed forms of `dtp.memory`,
+which tests/test_memory_formulas.py checks against measurements of real models."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,9 @@ import numpy as np
 from dtp import memory
 from dtp.gpt import GPTConfig, build_on_meta, count_parameters
 
-from ..compare import CheckFailed, expect_number
-from ..registry import exercise
+from ..compare import CheckFailed, expect_answer
+from ..registry import Check, exercise
+from .common import FormulaCheck, describe_call
 
 
 def _random_configs(rng, count: int = 8) -> list[GPTConfig]:
@@ -42,18 +44,31 @@ def _explain_count(difference: int, config: GPTConfig) -> str:
     return causes.get(difference, "compare your count layer by layer with the model's modules")
 
 
-@exercise("memory.param_count", points=3, reads=("gpt_parameter_count",), timeout_s=30)
-def check_param_count(student) -> str:
-    count = student.gpt_parameter_count
-    for config in _random_configs(np.random.default_rng()):
-        expected = count_parameters(build_on_meta(config))
-        answer = count(config)
-        if not isinstance(answer, (int, np.integer)):
-            raise CheckFailed(f"gpt_parameter_count should return an int, got {type(answer).__name__} for {config}")
-        if answer != expected:
-            raise CheckFailed(f"for {config} you counted {int(answer):,} parameters, the torch model has {expected:,} "
-                              f"({int(answer) - expected:+,}): {_explain_count(int(answer) - expected, config)}")
-    return "exact on 8 random configs (tied and untied, with and without biases), checked against torch's numel"
+@exercise("memory.param_count", points=3)
+class ParameterCount(Check):
+    """Verifies: the exact count on 8 random configs (tied and untied, with and without biases)
+    against `numel` of the real torch model. Fakes: building the model and counting its
+    parameters inside the answer trips (dtp.gpt's counter and the course's formula are guarded)."""
+
+    reads = ("gpt_parameter_count",)
+    references = ("dtp.memory.gpt_parameter_count", "dtp.gpt.count_parameters")
+    timeout_s = 30
+
+    def prepare(self, rng):
+        return _random_configs(rng)
+
+    def collect(self, student, configs):
+        return [student.gpt_parameter_count(config) for config in configs]
+
+    def judge(self, configs, answers) -> str:
+        for config, answer in zip(configs, answers):
+            expected = count_parameters(build_on_meta(config))
+            if not isinstance(answer, int) or isinstance(answer, bool):
+                raise CheckFailed(f"gpt_parameter_count should return an int, got {type(answer).__name__} for {config}")
+            if answer != expected:
+                raise CheckFailed(f"for {config} you counted {answer:,} parameters, the torch model has {expected:,} "
+                                  f"({answer - expected:+,}): {_explain_count(answer - expected, config)}")
+        return "exact on 8 random configs (tied and untied, with and without biases), checked against torch's numel"
 
 
 RECIPE_NAMES = tuple(memory.RECIPES)
@@ -62,86 +77,153 @@ UNIT_TWINS = {"MB": "MiB", "GB": "GiB", "TB": "TiB", "GiB": "GB", "TiB": "TB"}  
 UNIT_POWERS = {"MB": "10^6", "GB": "10^9", "TB": "10^12", "MiB": "2^20", "GiB": "2^30", "TiB": "2^40"}
 
 
-@exercise("memory.model_states", points=2, reads=("model_state_memory",), timeout_s=15)
-def check_model_states(student) -> str:
-    model_states = student.model_state_memory
-    rng = np.random.default_rng()
-    for recipe in RECIPE_NAMES:
-        for unit in UNIT_NAMES:
-            n_params = float(rng.integers(10**6, 10**12))
-            expected = memory.model_state_memory(n_params, recipe, unit)
-            answer = model_states(n_params, recipe, unit)
-            what = f"model_state_memory({n_params:.4g}, {recipe!r}, {unit!r})"
-            twin = UNIT_TWINS.get(unit)
-            if twin and isinstance(answer, (int, float)) and \
-                    np.isclose(answer, memory.model_state_memory(n_params, recipe, twin), rtol=1e-9):
-                raise CheckFailed(f"{what} is in {twin}, not {unit}: 1 {unit} = {UNIT_POWERS[unit]} bytes, "
-                                  f"1 {twin} = {UNIT_POWERS[twin]} bytes")
-            expect_number(answer, expected, what, rel=1e-9)
-    per_parameter = ", ".join(str(memory.bytes_per_parameter(recipe)) for recipe in RECIPE_NAMES)
-    return f"right for all {len(RECIPE_NAMES)} recipes ({per_parameter} bytes per parameter) in bytes, GB, GiB, TB and TiB"
+@exercise("memory.model_states", points=2)
+class ModelStates(FormulaCheck):
+    """Verifies: bytes of weights, gradients and optimizer state for every recipe in every unit,
+    on random parameter counts. Fakes: dtp.memory's function trips."""
+
+    function = "model_state_memory"
+    references = ("dtp.memory.model_state_memory", "dtp.memory.bytes_per_parameter")
+    timeout_s = 15
+    summary = (f"right for all {len(RECIPE_NAMES)} recipes "
+               f"({', '.join(str(memory.bytes_per_parameter(r)) for r in RECIPE_NAMES)} bytes per parameter) "
+               "in bytes, MB, GB, GiB, TB and TiB")
+
+    def cases(self, rng):
+        return [((float(rng.integers(10**6, 10**12)), recipe, unit), {})
+                for recipe in RECIPE_NAMES for unit in UNIT_NAMES]
+
+    def expected(self, n_params, recipe, unit):
+        return memory.model_state_memory(n_params, recipe, unit)
+
+    def slips(self, n_params, recipe, unit):
+        twin = UNIT_TWINS.get(unit)
+        if not twin:
+            return {}
+        return {f"that is in {twin}, not {unit}: 1 {unit} = {UNIT_POWERS[unit]} bytes, 1 {twin} = {UNIT_POWERS[twin]} bytes":
+                memory.model_state_memory(n_params, recipe, twin)}
 
 
-@exercise("memory.activations", points=2, reads=("activation_bytes_per_layer",), timeout_s=15)
-def check_activations(student) -> str:
-    per_layer = student.activation_bytes_per_layer
-    rng = np.random.default_rng()
-    for recompute in memory.RECOMPUTE:
-        for sequence_parallel in (False, True):
-            heads = int(rng.choice([8, 16, 32, 64]))
-            args = (int(rng.choice([512, 1024, 2048, 4096])), int(rng.integers(1, 9)), heads * 128, heads)
-            tp = int(rng.choice([2, 4, 8]))
-            kwargs = dict(tensor_parallel=tp, sequence_parallel=sequence_parallel, recompute=recompute)
-            what = f"activation_bytes_per_layer(s={args[0]}, b={args[1]}, h={args[2]}, a={args[3]}, t={tp}, sp={sequence_parallel}, recompute={recompute!r})"
-            answer = per_layer(*args, **kwargs)
-            s, b, h, a = args
-            no_attention = memory.activation_bytes_per_layer(*args, **{**kwargs, "recompute": "selective"})
-            if recompute == "none" and isinstance(answer, (int, float)) and np.isclose(answer, no_attention, rtol=1e-9):
-                raise CheckFailed(f"{what} leaves out attention's 5as/(ht)·sbh bytes (softmax, its dropout mask and output)")
-            if not sequence_parallel and recompute != "full" and isinstance(answer, (int, float)) and \
-                    np.isclose(answer, memory.activation_bytes_per_layer(*args, **{**kwargs, "sequence_parallel": True}), rtol=1e-9):
-                raise CheckFailed(f"{what}: without sequence parallelism the 10sbh of LayerNorm and dropout "
-                                  "inputs are replicated on every tensor-parallel rank, not divided by t")
-            expect_number(answer, memory.activation_bytes_per_layer(*args, **kwargs), what, rel=1e-9)
-        # The unparallelised baseline too: sbh(34 + 5as/h).
-    base = (2048, 1, 4096, 32)
-    expect_number(per_layer(*base), memory.activation_bytes_per_layer(*base), "activation_bytes_per_layer(2048, 1, 4096, 32)")
-    return "matches Korthikanti et al.'s table for no recompute, selective and full recompute, with and without sequence parallelism"
+@exercise("memory.activations", points=2)
+class ActivationMemory(FormulaCheck):
+    """Verifies: Korthikanti et al.'s per-layer activation bytes for no, selective and full
+    recomputation, with and without sequence parallelism, on random shapes whose head size
+    varies (64 to 256), plus the unparallelised baseline. Fakes: dtp.memory's function trips."""
+
+    function = "activation_bytes_per_layer"
+    references = ("dtp.memory.activation_bytes_per_layer", "dtp.memory.activation_bytes")
+    timeout_s = 15
+    summary = ("matches Korthikanti et al.'s table for no, selective and full recomputation, with and without "
+               "sequence parallelism, on random shapes with head sizes from 64 to 256")
+
+    def cases(self, rng):
+        cases = []
+        for recompute in memory.RECOMPUTE:
+            for sequence_parallel in (False, True):
+                heads = int(rng.choice([8, 12, 16, 32, 64]))
+                head_size = int(rng.choice([64, 80, 96, 128, 256]))
+                args = (int(rng.choice([512, 1024, 2048, 4096])), int(rng.integers(1, 9)), heads * head_size, heads)
+                kwargs = dict(tensor_parallel=int(rng.choice([2, 4, 8])), sequence_parallel=sequence_parallel,
+                              recompute=recompute)
+                cases.append((args, kwargs))
+        heads = int(rng.choice([16, 32, 40]))
+        cases.append(((2048, int(rng.integers(1, 5)), heads * int(rng.choice([64, 128])), heads), {}))
+        return cases
+
+    def expected(self, *args, **kwargs):
+        return memory.activation_bytes_per_layer(*args, **kwargs)
+
+    def slips(self, *args, **kwargs):
+        slips = {}
+        if kwargs.get("recompute", "none") == "none":
+            slips["attention's 5as/(ht)·sbh bytes (softmax, its dropout mask and output) are missing"] = \
+                memory.activation_bytes_per_layer(*args, **{**kwargs, "recompute": "selective"})
+        if not kwargs.get("sequence_parallel") and kwargs.get("recompute", "none") != "full" and kwargs:
+            slips["without sequence parallelism the 10sbh of LayerNorm inputs, QKV and MLP inputs and dropout masks "
+                  "are replicated on every tensor-parallel rank, not divided by t"] = \
+                memory.activation_bytes_per_layer(*args, **{**kwargs, "sequence_parallel": True})
+        return slips
 
 
-@exercise("memory.training_time", points=2, reads=("training_days", "mfu"), timeout_s=15)
-def check_training_time(student) -> str:
-    days, utilization = student.training_days, student.mfu
-    rng = np.random.default_rng()
-    for _ in range(5):
-        n, tokens, gpus = float(rng.uniform(1e8, 1e12)), float(rng.uniform(1e9, 1e13)), int(rng.integers(1, 20000))
-        peak, mfu = float(rng.uniform(1e14, 2e15)), float(rng.uniform(0.2, 0.6))
-        expected = memory.training_time_s(n, tokens, gpus, peak, mfu) / 86400
-        answer = days(n, tokens, gpus, peak, mfu)
-        what = f"training_days(N={n:.3g}, tokens={tokens:.3g}, gpus={gpus}, peak={peak:.3g}, mfu={mfu:.2f})"
-        if isinstance(answer, float) and np.isclose(answer * 3, expected, rtol=1e-6):
-            raise CheckFailed(f"{what} is 1/3 of the answer: training costs 6N FLOPs per token (2N forward, 4N backward), not 2N")
-        if isinstance(answer, float) and np.isclose(answer, expected * 86400, rtol=1e-6):
-            raise CheckFailed(f"{what} is in seconds; return days")
-        expect_number(answer, expected, what)
-        tokens_per_s = float(rng.uniform(1e3, 1e7))
-        expect_number(utilization(n, tokens_per_s, gpus, peak), memory.model_flops_utilization(n, tokens_per_s, gpus, peak),
-                      f"mfu(N={n:.3g}, tokens_per_s={tokens_per_s:.3g}, gpus={gpus}, peak={peak:.3g})")
-    return "training_days and mfu match 6N FLOPs per token on random inputs"
+def _flops_cases(rng, count: int = 4):
+    cases = []
+    for _ in range(count):
+        layers = int(rng.integers(4, 128))
+        hidden = int(rng.choice([64, 128])) * int(rng.integers(8, 128))
+        cases.append(dict(n_params=float(12 * layers * hidden**2 * rng.uniform(1.0, 1.3)), n_layers=layers,
+                          hidden=hidden, seq=int(rng.choice([1024, 2048, 4096, 8192])),
+                          tokens_per_s=float(rng.uniform(1e3, 1e7)), n_gpus=int(rng.integers(1, 20000)),
+                          peak_flops_per_gpu=float(rng.uniform(1e14, 2e15))))
+    return cases
 
 
-INTERVIEW_ANSWERS = ("interview_70b_model_states_tb", "interview_largest_model_on_80gib", "interview_gpt3_days")
+@exercise("memory.training_time", points=2)
+class TrainingTime(Check):
+    """Verifies: training_days with 6N per token, MFU with PaLM's model FLOPs (6N + 12·L·h·s per
+    token), and HFU with full recomputation (8N + 16·L·h·s), on random inputs.
+    Fakes: dtp.memory's functions trip."""
+
+    reads = ("training_days", "mfu", "hfu")
+    references = ("dtp.memory.training_time_s", "dtp.memory.model_flops_utilization",
+                  "dtp.memory.hardware_flops_utilization", "dtp.memory.model_flops_per_token",
+                  "dtp.memory.hardware_flops_per_token", "dtp.memory.training_flops")
+    timeout_s = 15
+
+    def prepare(self, rng):
+        days = [(float(rng.uniform(1e8, 1e12)), float(rng.uniform(1e9, 1e13)), int(rng.integers(1, 20000)),
+                 float(rng.uniform(1e14, 2e15)), float(rng.uniform(0.2, 0.6))) for _ in range(5)]
+        return {"days": days, "utilization": _flops_cases(rng)}
+
+    def collect(self, student, inputs):
+        return {"days": [student.training_days(*args) for args in inputs["days"]],
+                "mfu": [student.mfu(**case) for case in inputs["utilization"]],
+                "hfu": [student.hfu(**case) for case in inputs["utilization"]]}
+
+    def judge(self, inputs, answers) -> str:
+        for args, answer in zip(inputs["days"], answers["days"]):
+            expected = memory.training_time_s(*args) / 86400
+            expect_answer(answer, expected, describe_call("training_days", args, {}), rel=1e-6, slips={
+                "training costs 6N FLOPs per token (2N forward, 4N backward), not 2N": expected / 3,
+                "that is in seconds; return days": expected * 86400})
+        for case, mfu, hfu in zip(inputs["utilization"], answers["mfu"], answers["hfu"]):
+            n, L, h, s = case["n_params"], case["n_layers"], case["hidden"], case["seq"]
+            rate = case["tokens_per_s"] / (case["n_gpus"] * case["peak_flops_per_gpu"])
+            expected_mfu = memory.model_flops_per_token(n, L, h, s) * rate
+            expect_answer(mfu, expected_mfu, describe_call("mfu", (), case), rel=1e-6, slips={
+                "that counts 6N per token only; PaLM's model FLOPs add attention's 12·L·h·s": 6 * n * rate,
+                "that counts the recomputed forward: MFU uses model FLOPs, which recomputation does not change":
+                    memory.hardware_flops_per_token(n, L, h, s, "full") * rate})
+            expect_answer(hfu, memory.hardware_flops_per_token(n, L, h, s, "full") * rate,
+                          describe_call("hfu", (), case), rel=1e-6, slips={
+                              "that is the MFU: with full recomputation the hardware runs every forward twice, "
+                              "8N + 16·L·h·s per token": expected_mfu,
+                              "that adds 2N for the recomputed forward but not its attention, 4·L·h·s":
+                                  (8 * n + 12 * L * h * s) * rate})
+        return "training_days (6N per token), mfu (6N + 12·L·h·s) and hfu (8N + 16·L·h·s) match on random inputs"
 
 
-@exercise("memory.interview", points=2, reads=INTERVIEW_ANSWERS, timeout_s=15)
-def check_interview(student) -> str:
-    expect_number(student.interview_70b_model_states_tb, memory.model_state_memory(70e9, "mixed_adam", "TB"),
-                  "interview_70b_model_states_tb", rel=1e-3)
-    largest = memory.largest_trainable_model(memory.GPU_80GB_BYTES, "mixed_adam")
-    if isinstance(student.interview_largest_model_on_80gib, (int, float)) and \
-            np.isclose(student.interview_largest_model_on_80gib, largest * 1e9 / 2**30, rtol=1e-3):
-        raise CheckFailed("interview_largest_model_on_80gib took 80 GiB as 80·10⁹ bytes; 1 GiB = 2^30 bytes")
-    expect_number(student.interview_largest_model_on_80gib, largest, "interview_largest_model_on_80gib (parameters)", rel=1e-3)
-    expect_number(student.interview_gpt3_days, memory.training_time_s(175e9, 300e9, 1024, 312e12, 0.5) / 86400,
-                  "interview_gpt3_days", rel=1e-2)
-    return "all three interview answers are right"
+INTERVIEW_ANSWERS = ("interview_70b_model_states_tb", "interview_largest_model_on_a100_80gb", "interview_gpt3_days")
+
+
+@exercise("memory.interview", points=2)
+class Interview(Check):
+    """Verifies: three fixed interview answers. Fakes: a fixed question, so a copied number
+    passes; it is worth two points for that reason."""
+
+    reads = INTERVIEW_ANSWERS
+    timeout_s = 15
+
+    def collect(self, student, inputs):
+        return [getattr(student, name) for name in INTERVIEW_ANSWERS]
+
+    def judge(self, inputs, answers) -> str:
+        tb, largest, days = answers
+        expect_answer(tb, memory.model_state_memory(70e9, "mixed_adam", "TB"), "interview_70b_model_states_tb",
+                      rel=1e-3, slips={"that is in TiB; 1 TB = 10^12 bytes": memory.model_state_memory(70e9, "mixed_adam", "TiB")})
+        right = memory.largest_trainable_model(memory.A100_80GB_BYTES, "mixed_adam")
+        expect_answer(largest, right, "interview_largest_model_on_a100_80gb (parameters)", rel=1e-3, slips={
+            "that takes 80GB as 80·10⁹ bytes; the A100 80GB holds 81920 MiB = 80·2³⁰ bytes": 80e9 / 16,
+            "that is in billions; give the number of parameters": right / 1e9})
+        expect_answer(days, memory.training_time_s(175e9, 300e9, 1024, 312e12, 0.5) / 86400, "interview_gpt3_days",
+                      rel=1e-2)
+        return "all three interview answers are right"

@@ -1,0 +1,119 @@
+"""Pieces that checks of every chapter share: closed-form checks, gloo world limits, and the
+communication log in a form that crosses from the sandbox to the grader."""
+from __future__ import annotations
+
+from dtp.world import run_world
+
+from ..compare import CheckFailed, expect_answer
+from ..registry import Check
+from ..sandbox import seconds_left
+
+
+class RanksFailed(Exception):
+    """Raised by a judge for a gloo world whose ranks failed in the sandbox (raised, deadlocked,
+    hit `raise NotImplementedError`): the exercise gets that status, not "failed"."""
+
+    def __init__(self, status: str, feedback: str):
+        super().__init__(feedback)
+        self.status = status
+
+
+def world_options() -> dict:
+    """Limits for a check's gloo world within the exercise's time limit: a deadlocked collective
+    must time out (and be reported as a deadlock) well before the sandbox is killed."""
+    left = seconds_left()
+    return dict(timeout_s=left, collective_timeout_s=min(8.0, left / 3))
+
+
+def run_worlds(fn, worlds: list[tuple[int, tuple]]) -> list:
+    """In the sandbox: `fn` on one gloo world per (world size, args), in order, stopping at the
+    first world that fails. A failed world comes back as {"failed_world": n, "status", "feedback"},
+    so that the worlds before it are still judged (a ring that only works for n = 2 fails on what
+    it sent for n = 2, and the n = 3 failure is reported only if nothing before it was wrong)."""
+    from dtp.world import WorldError
+
+    from ..grading import world_failure
+
+    outcomes = []
+    for world_size, args in worlds:
+        try:
+            outcomes.append(run_world(fn, world_size, args, **world_options()))
+        except WorldError as error:
+            status, feedback = world_failure(error)
+            outcomes.append({"failed_world": world_size, "status": status, "feedback": feedback})
+            break
+    return outcomes
+
+
+def completed_worlds(outcomes: list) -> tuple[list, dict | None]:
+    """In the judge: (the outcomes of the worlds that completed, the failed world or None)."""
+    for index, outcome in enumerate(outcomes):
+        if isinstance(outcome, dict) and "failed_world" in outcome:
+            return outcomes[:index], outcome
+    return outcomes, None
+
+
+def raise_world_failure(failure: dict | None) -> None:
+    if failure is not None:
+        raise RanksFailed(str(failure["status"]), f"with {failure['failed_world']} processes: {failure['feedback']}")
+
+
+def events_as_data(log, payloads: bool = False) -> list[dict]:
+    """A CommunicationLog's events as plain data (payload tensors as arrays when asked for)."""
+    keep = ("op", "bytes", "peer", "root", "of", "label", "group")
+    events = []
+    for event in log.events:
+        plain_event = {key: event[key] for key in keep if key in event}
+        if payloads and "payload" in event:
+            plain_event["payload"] = [t.numpy() for t in event["payload"]]
+        events.append(plain_event)
+    return events
+
+
+def describe_call(function: str, args: tuple, kwargs: dict) -> str:
+    def show(value):
+        return f"{value:.4g}" if isinstance(value, float) else repr(value)
+    parts = [show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs.items()]
+    return f"{function}({', '.join(parts)})"
+
+
+class FormulaCheck(Check):
+    """A learner's function of numbers, called on random arguments drawn by `cases` and compared
+    with `expected`; a wrong answer that equals a known slip gets that slip's feedback.
+
+    Verifies: the value for every drawn case, within `rel`.
+    Fakes: a table of answers cannot match freshly drawn inputs; the course's own function
+    (`references`) trips when called.
+    """
+
+    function: str = ""
+    rel: float = 1e-9
+    summary: str = ""  # the pass line: what was verified, in the exercise's own terms
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return (self.function,)
+
+    def cases(self, rng) -> list[tuple[tuple, dict]]:
+        raise NotImplementedError
+
+    def expected(self, *args, **kwargs) -> float:
+        raise NotImplementedError
+
+    def slips(self, *args, **kwargs) -> dict[str, float]:
+        return {}
+
+    def prepare(self, rng):
+        return self.cases(rng)
+
+    def collect(self, student, cases):
+        function = getattr(student, self.function)
+        return [function(*args, **kwargs) for args, kwargs in cases]
+
+    def judge(self, cases, answers) -> str:
+        if len(answers) != len(cases):
+            raise CheckFailed("the grader's calls did not all return")
+        for (args, kwargs), answer in zip(cases, answers):
+            expect_answer(answer, self.expected(*args, **kwargs), describe_call(self.function, args, kwargs),
+                          rel=self.rel, slips=self.slips(*args, **kwargs))
+        return self.summary

@@ -5,6 +5,7 @@ far, and a crash, `sys.exit` or endless loop in their code cannot take the kerne
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 
 from .registry import all_exercise_ids, find_exercise
@@ -34,3 +35,21 @@ def check(exercise_id: str, timeout_s: float | None = None) -> None:
         return
     namespace = _kernel_namespace()
     print(grade_exercise(exercise, lambda: StudentCode(namespace), timeout_s).line())
+
+
+@contextlib.contextmanager
+def demo(exercise_id: str):
+    """`with demo("dp.ring_allreduce_numpy"): ...` runs a cell that tries an exercise out. While
+    the exercise is unfinished the cell prints one line instead of a traceback, so "Run All" on
+    a fresh notebook reaches the end; any other error is the learner's to see, traceback and all."""
+    from dtp.world import WorldError
+
+    try:
+        yield
+    except NotImplementedError:
+        print(f"· {exercise_id}: not implemented yet; write it above, then run this cell again")
+    except WorldError as error:
+        if error.exc_type != "NotImplementedError":
+            raise
+        print(f"· {exercise_id}: not implemented yet (a rank hit `raise NotImplementedError`); write it above, "
+              "then run this cell again")

@@ -9,6 +9,7 @@ Like nbgrader's assign step: a list of small transformations, each doing one thi
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import sys
 from pathlib import Path
@@ -20,11 +21,43 @@ SOLUTIONS, EXERCISES = REPO / "solutions", REPO / "notebooks"
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 PLACEHOLDER = 'raise NotImplementedError("write your solution here")'
-_SOLUTION_BLOCK = re.compile(rf"^([ \t]*){re.escape(BEGIN)}[ \t]*\n.*?^[ \t]*{re.escape(END)}[ \t]*$", re.S | re.M)
+ANSWER_PLACEHOLDER = "{name} = ...  # your answer"
+_SOLUTION_BLOCK = re.compile(rf"^([ \t]*){re.escape(BEGIN)}[ \t]*\n(.*?)^[ \t]*{re.escape(END)}[ \t]*$", re.S | re.M)
+
+# The first code cell of every notebook: opened outside the course's environment, a notebook says
+# in one line how to set up, instead of failing on its first import.
+SETUP_CELL = """try:
+    import dtp  # the course library: this notebook runs in the course's environment
+except ModuleNotFoundError:
+    raise SystemExit("This notebook needs the course's environment: in the course folder run `make book`, "
+                     "then open the notebook with the .venv kernel (see the README).") from None"""
+
+
+def _answer_names(block: str) -> list[str]:
+    """The names a top-level solution block assigns, if it only assigns names."""
+    try:
+        tree = ast.parse(block)
+    except SyntaxError:
+        return []
+    names = []
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets)):
+            return []
+        names += [t.id for t in node.targets if t.id not in names]
+    return names
+
+
+def _placeholder(match: re.Match) -> str:
+    indentation, block = match.group(1), match.group(2)
+    names = _answer_names(block) if not indentation else []
+    if names:  # answers at top level: "Run All" must not stop here, and the cell names what to define
+        return "\n".join(ANSWER_PLACEHOLDER.format(name=name) for name in names)
+    return indentation + PLACEHOLDER
 
 
 class ReplaceSolutions:
-    """Code between the solution markers becomes `raise NotImplementedError(...)` at the marker's indentation."""
+    """Code between the solution markers becomes `raise NotImplementedError(...)` at the marker's
+    indentation; a top-level block of answers becomes one `name = ...` line per answer."""
 
     def __call__(self, notebook):
         for cell in notebook.cells:
@@ -32,7 +65,17 @@ class ReplaceSolutions:
                 continue
             if cell.source.count(BEGIN) != cell.source.count(END):
                 raise ValueError(f"cell {cell.get('id')}: unbalanced solution markers")
-            cell.source = _SOLUTION_BLOCK.sub(lambda m: m.group(1) + PLACEHOLDER, cell.source)
+            cell.source = _SOLUTION_BLOCK.sub(_placeholder, cell.source)
+        return notebook
+
+
+class RequireSetupCell:
+    """Every notebook starts (first code cell) with SETUP_CELL."""
+
+    def __call__(self, notebook):
+        first = next((cell for cell in notebook.cells if cell.cell_type == "code"), None)
+        if first is None or not first.source.startswith(SETUP_CELL):
+            raise ValueError("the first code cell must start with grader.release.SETUP_CELL")
         return notebook
 
 
@@ -47,6 +90,14 @@ class ClearOutputs:
         return notebook
 
 
+class StripWidgetState:
+    """Saved widget models (the calculators' sliders) belong to one kernel session, not the notebook."""
+
+    def __call__(self, notebook):
+        notebook.metadata.pop("widgets", None)
+        return notebook
+
+
 class MarkAsExercise:
     """Record in the metadata that this is the learner's copy (the chapter stays the same)."""
 
@@ -55,7 +106,7 @@ class MarkAsExercise:
         return notebook
 
 
-TRANSFORMATIONS = [ReplaceSolutions(), ClearOutputs(), MarkAsExercise()]
+TRANSFORMATIONS = [RequireSetupCell(), ReplaceSolutions(), ClearOutputs(), StripWidgetState(), MarkAsExercise()]
 
 
 def exercise_text(solution_path: Path) -> str:

@@ -47,7 +47,10 @@ class StudentCode:
         if name.startswith("_"):
             raise AttributeError(name)
         if name in self._namespace:
-            return self._namespace[name]
+            value = self._namespace[name]
+            if value is Ellipsis:  # the exercise notebook's placeholder for an answer
+                raise MissingDefinition(f"`{name}` is still `...`: replace it with your answer")
+            return value
         if name in self._problems:
             raise MissingDefinition(f"`{name}` is not defined: {self._problems[name]}")
         syntax = [why for key, why in self._problems.items() if key.startswith("<cell")]

@@ -11,7 +11,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SOLUTIONS, EXERCISES = REPO / "solutions", REPO / "notebooks"
-CHAPTER_NOTEBOOKS = {"memory": "01_memory.ipynb", "dp": "02_data_parallel.ipynb"}
+# chapter -> its notebook's file name, from the chapter each solution notebook names in its metadata
+CHAPTER_NOTEBOOKS = {nbformat.read(path, as_version=4).metadata["dtp"]["chapter"]: path.name
+                     for path in sorted(SOLUTIONS.glob("*.ipynb"))}
 
 
 def solution_path(chapter: str) -> Path:

@@ -2,7 +2,7 @@
 import nbformat
 import pytest
 
-from grader.release import PLACEHOLDER, ReplaceSolutions, exercise_text, out_of_date
+from grader.release import PLACEHOLDER, SETUP_CELL, ReplaceSolutions, RequireSetupCell, exercise_text, out_of_date
 from conftest import SOLUTIONS
 
 
@@ -21,7 +21,9 @@ def test_exercise_notebooks_hide_solutions_and_outputs(solution):
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None
     markers = sum(c.source.count("### BEGIN SOLUTION") for c in original.cells)
-    assert markers > 0 and sum(c.source.count(PLACEHOLDER) for c in exercise.cells) == markers
+    placeholders = sum(c.source.count(PLACEHOLDER) + c.source.count("= ...  # your answer") for c in exercise.cells)
+    assert markers > 0 and placeholders >= markers
+    assert "widgets" not in exercise.metadata
 
 
 def test_a_stale_exercise_notebook_is_reported(tmp_path):
@@ -35,12 +37,20 @@ def test_a_stale_exercise_notebook_is_reported(tmp_path):
     assert sorted(out_of_date(solutions, exercises)) == [f"notebooks/{source.name}", "notebooks/orphan.ipynb (no solution)"]
 
 
-def test_placeholder_keeps_the_marker_indentation():
+def test_placeholder_keeps_the_marker_indentation_and_names_top_level_answers():
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
         "def f(x):\n    y = 1\n    ### BEGIN SOLUTION\n    return x + y\n    ### END SOLUTION\n\n"
-        "### BEGIN SOLUTION\nANSWER = 3\n### END SOLUTION")])
+        "### BEGIN SOLUTION\nANSWER = 3\nOTHER = ANSWER * 2\n### END SOLUTION\n\n"
+        "### BEGIN SOLUTION\nprint(1)\n### END SOLUTION")])
     source = ReplaceSolutions()(notebook).cells[0].source
-    assert source == f"def f(x):\n    y = 1\n    {PLACEHOLDER}\n\n{PLACEHOLDER}"
+    assert source == (f"def f(x):\n    y = 1\n    {PLACEHOLDER}\n\n"
+                      "ANSWER = ...  # your answer\nOTHER = ...  # your answer\n\n" + PLACEHOLDER)
+
+
+def test_a_notebook_without_the_setup_cell_is_refused():
+    with pytest.raises(ValueError, match="SETUP_CELL"):
+        RequireSetupCell()(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import dtp")]))
+    RequireSetupCell()(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SETUP_CELL + "\nimport numpy")]))
 
 
 def test_unbalanced_markers_are_an_error():

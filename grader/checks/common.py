@@ -55,7 +55,9 @@ def completed_worlds(outcomes: list) -> tuple[list, dict | None]:
 
 def raise_world_failure(failure: dict | None) -> None:
     if failure is not None:
-        raise RanksFailed(str(failure["status"]), f"with {failure['failed_world']} processes: {failure['feedback']}")
+        status, feedback = str(failure["status"]), str(failure["feedback"])
+        raise RanksFailed(status, feedback if status == "missing" else
+                          f"with {failure['failed_world']} processes: {feedback}")
 
 
 def events_as_data(log, payloads: bool = False) -> list[dict]:

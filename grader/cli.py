@@ -10,6 +10,7 @@ from pathlib import Path
 from .notebook import UnusableInput
 from .registry import all_exercise_ids
 from .report import format_table, write_json
+from .sandbox import make_undumpable
 
 EXIT_GRADED, EXIT_UNUSABLE_INPUT, EXIT_INTERRUPTED = 0, 2, 130
 
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the sandboxes' cleanup runs and no process is left behind.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # Learner code runs as this user: it must not reach this process's stdout or memory through /proc.
+    make_undumpable()
     try:
         from .grading import grade_notebook  # imports torch: after argument errors are reported
 

@@ -142,6 +142,6 @@ def grade_notebook(path: str, only: list[str] | None = None, timeout_s: float | 
     report = NotebookReport(path=str(path), chapter=chapter)
     workdir = str(Path(path).resolve().parent)  # where the learner's kernel would have run
     for exercise in exercises:
-        report.add(grade_exercise(exercise, lambda: StudentCode.from_definitions(definitions), timeout_s, workdir))
+        report.add(grade_exercise(exercise, lambda: StudentCode.from_definitions(definitions, as_main=True), timeout_s, workdir))
     report.elapsed_s = round(time.monotonic() - started, 3)
     return report

@@ -33,18 +33,41 @@ def read_notebook(path: str | Path) -> nbformat.NotebookNode:
         raise UnusableInput(f"{path}: not a file")
     try:
         text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnusableInput(f"{path}: not a notebook (not UTF-8 text: byte {exc.start} cannot be decoded)") from None
+    try:
         raw = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise UnusableInput(f"{path}: not a notebook (not valid JSON: {exc})") from None
     if not isinstance(raw, dict) or "cells" not in raw or "nbformat" not in raw:
         raise UnusableInput(f"{path}: not a notebook (JSON without 'cells' and 'nbformat')")
     try:
-        notebook = nbformat.reads(text, as_version=4)
+        notebook = nbformat.reads(json.dumps(_without_lone_surrogates(raw)), as_version=4)
+        minor = notebook.get("nbformat_minor", 0)
+        if isinstance(minor, int) and minor < 5:
+            # What Jupyter does on opening: cell ids (which some tools already write into 4.4
+            # files, where the schema forbids them) and minor version 5.
+            nbformat.v4.upgrade(notebook, from_version=4, from_minor=minor)
         nbformat.validate(notebook)
     except Exception as exc:  # nbformat raises several unrelated types for broken files
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UnusableInput(f"{path}: not a valid notebook ({first_line[:200]})") from None
     return notebook
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _without_lone_surrogates(value):
+    """JSON can hold half of a UTF-16 pair ("\\ud83d", from some editors and copy-pastes), which no
+    UTF-8 text can: such a character becomes U+FFFD, as a browser shows it."""
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_without_lone_surrogates(item) for item in value]
+    if isinstance(value, dict):
+        return {_without_lone_surrogates(key): _without_lone_surrogates(item) for key, item in value.items()}
+    return value
 
 
 def notebook_chapter(notebook: nbformat.NotebookNode) -> str | None:
@@ -131,6 +154,52 @@ def _names_changed(node: ast.stmt, modules: frozenset[str] = frozenset()) -> set
     return changed - {""}
 
 
+def _body_nodes(node: ast.AST):
+    """The nodes of a statement or function body, without descending into nested scopes."""
+    stack = list(ast.iter_child_nodes(node))
+    while stack:
+        current = stack.pop()
+        yield current
+        if not isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            stack.extend(ast.iter_child_nodes(current))
+
+
+def _names_called(node: ast.AST) -> set[str]:
+    return {n.func.id for n in _body_nodes(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+
+
+def _function_effects(functions: dict[str, ast.FunctionDef], modules: frozenset[str]) -> dict[str, set[str]]:
+    """The globals each notebook function changes when it is called: names it declares `global`
+    and binds, and global objects it mutates (`TABLE[k] = v`, `TABLE.update(...)`), also through
+    the notebook functions it calls. A top-level `init()` or `_add_units(...)` therefore counts
+    as a statement that fills those globals."""
+    effects: dict[str, set[str]] = {}
+    for name, function in functions.items():
+        try:
+            table = symtable.symtable(ast.unparse(function), "<cell>", "exec").get_children()[0]
+        except (SyntaxError, IndexError):
+            effects[name] = set()
+            continue
+        global_names = {s.get_name() for s in table.get_symbols() if s.is_global()}
+        declared = {s.get_name() for s in table.get_symbols() if s.is_declared_global() and s.is_assigned()}
+        mutated = set()
+        for node in _body_nodes(function):
+            if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                mutated.add(_root_name(node))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                mutated.add(_root_name(node.func.value))
+        effects[name] = declared | ((mutated & global_names) - modules)
+    grew = True
+    while grew:  # through calls to other notebook functions
+        grew = False
+        for name, function in functions.items():
+            reached = set().union(*(effects[callee] for callee in _names_called(function) if callee in effects))
+            if not reached <= effects[name]:
+                effects[name] |= reached
+                grew = True
+    return effects
+
+
 def _globals_read(node: ast.stmt) -> set[str]:
     """Global names a statement reads when it runs or when its functions are called: a
     function's parameters and locals are not globals (symtable knows the scoping rules)."""
@@ -158,7 +227,10 @@ def _graded_statements(nodes: list[tuple[int, ast.stmt]], graded_names: frozense
     needed: set[str] = set(graded_names).union(*(_globals_read(nodes[i][1]) for i in kept))
     modules = frozenset(name for _, node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))
                         for name in _defined_names(node))
-    changes = [_names_changed(node, modules) for _, node in nodes]
+    functions = {node.name: node for _, node in nodes if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    effects = _function_effects(functions, modules)
+    changes = [_names_changed(node, modules).union(*(effects[f] for f in _names_called(node) if f in effects))
+               for _, node in nodes]
     grew = True
     while grew:  # a kept statement may read names that only another statement provides
         grew = False

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -60,6 +61,9 @@ def format_table(report: NotebookReport) -> str:
 
 
 def write_json(reports: list[NotebookReport], path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    """Written whole, after every sandbox is gone: replaced in one step, never half-written."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w", encoding="utf-8") as f:
         json.dump({"notebooks": [asdict(r) for r in reports]}, f, indent=2)
         f.write("\n")
+    os.replace(temporary, path)

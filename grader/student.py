@@ -19,10 +19,12 @@ class StudentCode:
         self._problems = problems or {}  # name -> why it could not be defined
 
     @classmethod
-    def from_definitions(cls, definitions: Definitions) -> "StudentCode":
-        """Execute a notebook's graded definitions (call this only inside a sandbox child)."""
+    def from_definitions(cls, definitions: Definitions, as_main: bool = False) -> "StudentCode":
+        """Execute a notebook's graded definitions. With `as_main` (in a sandbox) they run as the
+        process's `__main__` module, as in a Jupyter kernel, so `if __name__ == "__main__":`
+        blocks run; otherwise (in a process that must keep its own `__main__`) as `__notebook__`."""
         # A real, importable module: dataclasses, pickling and typing look their classes up there.
-        module = types.ModuleType("__notebook__")
+        module = types.ModuleType("__main__" if as_main else "__notebook__")
         sys.modules[module.__name__] = module
         namespace = vars(module)
         problems: dict[str, str] = {}

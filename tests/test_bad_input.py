@@ -17,8 +17,10 @@ from conftest import REPO, grade, live_processes_with_marker, solution_path
 RING_TIME_OK = "dp.ring_time"
 
 
-def cli(*args, marker=None, **kwargs):
+def cli(*args, marker=None, tmpdir=None, **kwargs):
     env = {**os.environ, "DTP_TEST_MARKER": marker or uuid.uuid4().hex}
+    if tmpdir is not None:  # the grader's own temporary folder, so that other programs' files do not count
+        env["TMPDIR"] = str(tmpdir)
     return subprocess.run([sys.executable, "-m", "grader", *map(str, args)], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=300, **kwargs)
 
@@ -117,28 +119,25 @@ def test_top_level_demo_code_is_not_run_by_the_grader(tmp_notebook):
     assert grade(path, RING_TIME_OK)[RING_TIME_OK].status == "passed"
 
 
-def dtp_temporary_files() -> set[str]:
-    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("dtp-")}
-
-
-def test_no_process_or_file_survives_a_timeout_or_deadlock(tmp_notebook):
+def test_no_process_or_file_survives_a_timeout_or_deadlock(tmp_notebook, tmp_path):
     path = tmp_notebook("dp", {
         "ring_all_reduce_numpy": "def ring_all_reduce_numpy(arrays, network):\n    while True:\n        pass\n",
         "ring_all_reduce": "def ring_all_reduce(tensor):\n    while True:\n        pass\n"})
-    marker = uuid.uuid4().hex
-    files_before = dtp_temporary_files()
-    completed = cli(path, "--only", "dp.ring_allreduce_numpy", "dp.ring_allreduce_gloo", "--timeout", "4", marker=marker)
+    marker, private_tmp = uuid.uuid4().hex, tmp_path / "tmp"
+    private_tmp.mkdir()
+    completed = cli(path, "--only", "dp.ring_allreduce_numpy", "dp.ring_allreduce_gloo", "--timeout", "4", marker=marker,
+                    tmpdir=private_tmp)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.count("timeout") == 2
     assert live_processes_with_marker(marker) == []
-    assert dtp_temporary_files() <= files_before  # the killed gloo world's result folder is gone too
+    assert os.listdir(private_tmp) == []  # the killed gloo world's result folder is gone too
 
 
-def test_ctrl_c_stops_everything(tmp_notebook):
+def test_ctrl_c_stops_everything(tmp_notebook, tmp_path):
     path = tmp_notebook("dp", {"ring_all_reduce": "def ring_all_reduce(tensor):\n    while True:\n        pass\n"})
-    marker = uuid.uuid4().hex
-    files_before = dtp_temporary_files()
-    env = {**os.environ, "DTP_TEST_MARKER": marker}
+    marker, private_tmp = uuid.uuid4().hex, tmp_path / "tmp"
+    private_tmp.mkdir()
+    env = {**os.environ, "DTP_TEST_MARKER": marker, "TMPDIR": str(private_tmp)}
     grader = subprocess.Popen([sys.executable, "-m", "grader", str(path), "--only", "dp.ring_allreduce_gloo"],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -151,7 +150,7 @@ def test_ctrl_c_stops_everything(tmp_notebook):
     assert stderr.strip().splitlines() == ["grader: interrupted; nothing was left running"]
     time.sleep(0.5)
     assert live_processes_with_marker(marker) == []
-    assert dtp_temporary_files() <= files_before
+    assert os.listdir(private_tmp) == []
 
 
 def test_two_graders_at_once(tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,11 +36,22 @@ def all_reduce_times(all_reduce, world_size: int, sizes_bytes, repeats: int = 7)
     return np.median(slowest, axis=1)
 
 
-def fit_alpha_beta(n: int, sizes_bytes, times_s) -> tuple[float, float]:
-    """Least-squares fit of the ring model t = 2(n-1)·alpha + 2(n-1)/n·S/bandwidth;
-    returns (alpha in seconds, bandwidth in bytes per second)."""
-    slope, intercept = np.polyfit(np.asarray(sizes_bytes, dtype=float), np.asarray(times_s, dtype=float), 1)
-    return max(intercept, 0.0) / (2 * (n - 1)), 2 * (n - 1) / n / slope
+@dataclass
+class AlphaBetaFit:
+    alpha_s: float  # the fitted fixed cost of one ring step, in seconds
+    bandwidth: float  # bytes per second
+    relative_residuals: np.ndarray  # (model - measured) / measured, one per size
+
+
+def fit_alpha_beta(n: int, sizes_bytes, times_s) -> AlphaBetaFit:
+    """Fit the ring model t = 2(n-1)·alpha + 2(n-1)/n·S/bandwidth by least squares on relative
+    errors (each time weighted by 1/t), so that the small, latency-bound messages count as
+    much as the large ones; a plain fit lets the largest times decide the intercept alone."""
+    sizes, times = np.asarray(sizes_bytes, dtype=float), np.asarray(times_s, dtype=float)
+    design = np.stack([np.full_like(sizes, 2 * (n - 1)), 2 * (n - 1) / n * sizes], axis=1) / times[:, None]
+    (alpha, seconds_per_byte), *_ = np.linalg.lstsq(design, np.ones_like(times), rcond=None)
+    model = 2 * (n - 1) * alpha + 2 * (n - 1) / n * sizes * seconds_per_byte
+    return AlphaBetaFit(float(alpha), float(1 / seconds_per_byte), (model - times) / times)
 
 
 def training_flops_counted(model: torch.nn.Module, batch: int, seq: int) -> int:

@@ -79,8 +79,9 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, te
     selective:          sbh(10 + 24/t)               with sequence parallelism: sbh(34/t)
     full:               2sbh                         (only the layer's input is kept)
 
-    The 10 in the first column is what tensor parallelism alone cannot split: the LayerNorms'
-    and dropouts' inputs of the full sequence, which sequence parallelism shards too.
+    The 10 in the first column is what tensor parallelism alone cannot split (Korthikanti et al.
+    2022, section 4.2.1): the two LayerNorms' inputs (4sbh), the inputs of the QKV and h→4h matrix
+    multiplies (4sbh) and two 1-byte dropout masks (2sbh), which sequence parallelism shards too.
     The 5as/h term is attention's softmax, its dropout mask and output (all of size as²b)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -164,10 +165,17 @@ def _component(entry: str) -> str:
     return "gradients" if "gradient" in entry else "weights"
 
 
+def logits_bytes(seq: int, batch: int, vocab_size: int, tensor_parallel: int = 1) -> float:
+    """The output layer's logits, kept in fp32 for the cross-entropy: 4·s·b·V/t bytes
+    (Korthikanti et al. 2022, section 4.3), for a vocabulary split t ways."""
+    return 4 * seq * batch * vocab_size / tensor_parallel
+
+
 def memory_breakdown(config: GPTConfig, recipe: str, micro_batch: int, tensor_parallel: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none") -> dict[str, float]:
     """Bytes on one GPU by component, for a model sharded `tensor_parallel` ways (model states
-    split evenly; embeddings included) training on sequences of `config.n_positions` tokens."""
+    split evenly; embeddings included) training on sequences of `config.n_positions` tokens:
+    model states, the layers' activations and the fp32 logits."""
     shard = gpt_parameter_count(config) / tensor_parallel
     breakdown = {"weights": 0.0, "gradients": 0.0, "optimizer states": 0.0}
     for entry, nbytes in RECIPES[recipe].items():
@@ -175,4 +183,5 @@ def memory_breakdown(config: GPTConfig, recipe: str, micro_batch: int, tensor_pa
     breakdown["activations"] = activation_bytes(
         config.n_layers, config.n_positions, micro_batch, config.hidden, config.n_heads,
         tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel, recompute=recompute)
+    breakdown["logits"] = logits_bytes(config.n_positions, micro_batch, config.vocab_size, tensor_parallel)
     return breakdown

@@ -47,19 +47,33 @@ def test_ring_time_is_the_sum_of_its_steps(n):
     assert costs.ring_all_reduce_time(n, size, alpha, beta) == pytest.approx(sum(steps))
 
 
-def test_bus_bandwidth_is_the_rate_each_link_carried():
+def test_bus_bandwidth_applies_nccl_tests_fixed_factor():
+    """For a ring all-reduce the factor equals the bytes each rank sends over S; nccl-tests
+    applies the same factor whatever algorithm ran."""
     n, size, seconds = 16, 4e9, 0.05
-    bytes_per_link = costs.ring_all_reduce_bytes_per_rank(n, size)
-    assert costs.bus_bandwidth(size, seconds, n) == pytest.approx(bytes_per_link / seconds)
+    assert costs.bus_bandwidth(size, seconds, n) == pytest.approx(costs.ring_all_reduce_bytes_per_rank(n, size) / seconds)
     assert costs.algorithm_bandwidth(size, seconds) == pytest.approx(size / seconds)
+    assert costs.bus_bandwidth(size, seconds, n, "all_gather") == pytest.approx(size / seconds * 15 / 16)
+    assert costs.bus_bandwidth(size, seconds, 2) == costs.algorithm_bandwidth(size, seconds)
 
 
 def test_fit_recovers_alpha_and_beta_from_model_times():
     n, alpha, beta = 4, 30e-6, 2e9
     sizes = [2**k for k in range(10, 25)]
     times = [costs.ring_all_reduce_time(n, s, alpha, beta) for s in sizes]
-    fitted_alpha, fitted_beta = fit_alpha_beta(n, sizes, times)
-    assert fitted_alpha == pytest.approx(alpha, rel=1e-3) and fitted_beta == pytest.approx(beta, rel=1e-6)
+    fit = fit_alpha_beta(n, sizes, times)
+    assert fit.alpha_s == pytest.approx(alpha, rel=1e-6) and fit.bandwidth == pytest.approx(beta, rel=1e-6)
+    assert np.abs(fit.relative_residuals).max() < 1e-9
+
+
+def test_the_fit_weights_small_messages_as_much_as_large_ones():
+    """5 % noise on the largest time would swing a plain fit's intercept far off; relative
+    least squares keeps alpha within a few percent."""
+    n, alpha, beta = 2, 30e-6, 2e9
+    sizes = np.array([2.0**k for k in range(10, 25)])
+    times = np.array([costs.ring_all_reduce_time(n, s, alpha, beta) for s in sizes])
+    times[-1] *= 1.05
+    assert fit_alpha_beta(n, sizes, times).alpha_s == pytest.approx(alpha, rel=0.05)
 
 
 @pytest.mark.parametrize("cap", [1, 100, 1000, 5000, 10**9])
@@ -98,3 +112,12 @@ def test_latency_and_bandwidth_terms_cross_at_n_alpha_beta():
     latency = 2 * (n - 1) * alpha
     assert costs.ring_all_reduce_time(n, crossover, alpha, beta) == pytest.approx(2 * latency)
     assert costs.ring_all_reduce_time(n, crossover / 10, alpha, beta) < 1.2 * latency  # latency-bound below
+
+
+def test_tree_model_trades_latency_steps_for_bytes():
+    alpha, beta = 5e-6, 100e9
+    assert costs.tree_all_reduce_time(1024, 0, alpha, beta) == pytest.approx(2 * 10 * alpha)  # 2·log2(n) steps
+    assert costs.ring_all_reduce_time(1024, 0, alpha, beta) == pytest.approx(2 * 1023 * alpha)
+    big = 1e12  # bandwidth-bound: the tree's 2S against the ring's 2(n-1)/n·S
+    assert costs.tree_all_reduce_time(4, big, alpha, beta) / costs.ring_all_reduce_time(4, big, alpha, beta) == \
+        pytest.approx(4 / 3, rel=1e-6)

@@ -114,3 +114,47 @@ def test_training_time_mfu_and_hfu_are_consistent():
     assert measured == pytest.approx(mfu * (1 + 12 * layers * hidden * seq / (6 * n)))  # PaLM adds attention
     hfu = memory.hardware_flops_utilization(n, layers, hidden, seq, tokens / seconds, gpus, peak)
     assert hfu / measured == pytest.approx((8 * n + 16 * layers * hidden * seq) / (6 * n + 12 * layers * hidden * seq))
+
+
+def test_the_10sbh_tensor_parallelism_leaves_whole_are_these_tensors():
+    """Korthikanti et al. 2022, 4.2.1: LayerNorm inputs 4sbh + QKV and h->4h inputs 4sbh + two
+    1-byte dropout masks 2sbh. Measured per module on a real block (bf16 masks on this CPU)."""
+    from dtp.activations import saved_activation_breakdown
+
+    s, b, h, a = 64, 2, 128, 4
+    block = Block(GPTConfig(hidden=h, n_heads=a, dropout=0.1)).to(torch.bfloat16).train()
+    saved = saved_activation_breakdown(block, torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True))
+    sbh, layer_norm_statistics = s * b * h, 2 * s * b * 2
+    assert saved["norm1"] + saved["norm2"] == 4 * sbh + 2 * layer_norm_statistics
+    assert saved["attention.qkv"] + saved["mlp.up"] == 4 * sbh
+    assert saved["attention.output_dropout"] + saved["mlp.dropout"] == 2 * sbh * 2  # 2 bytes a mask element here
+    assert sum(saved.values()) == saved_activation_bytes(block, torch.randn(b, s, h, dtype=torch.bfloat16))
+
+
+def test_the_memory_breakdown_includes_the_fp32_logits():
+    """Korthikanti et al. 2022, 4.3: the output layer's logits, 4·s·b·V/t bytes in fp32."""
+    breakdown = memory.memory_breakdown(GPT2_SMALL, "mixed_adam", 8, tensor_parallel=2)
+    assert breakdown["logits"] == 4 * GPT2_SMALL.n_positions * 8 * GPT2_SMALL.vocab_size / 2
+    model = GPT(GPTConfig(n_layers=1, hidden=32, n_heads=2, vocab_size=300, n_positions=16))
+    logits = model(torch.zeros(3, 16, dtype=torch.long)).float()
+    assert logits.numel() * logits.element_size() == memory.logits_bytes(16, 3, 300)
+
+
+def test_gpu_memory_per_product_is_what_nvidia_smi_reports():
+    assert memory.A100_80GB_BYTES == 80 * 2**30  # the A100 80GB holds exactly 80 GiB
+    assert memory.GPU_MEMORY_MIB["H100 80GB"] * 2**20 < 80 * 2**30 < memory.GPU_MEMORY_MIB["H200"] * 2**20
+
+
+def test_adam_hides_a_sum_that_should_have_been_an_average():
+    """Summing gradients over n ranks without dividing makes an SGD step n times too large, but
+    Adam's step is nearly unchanged: the missing division goes unnoticed with Adam."""
+    steps = {}
+    for optimizer_class in (torch.optim.SGD, torch.optim.Adam):
+        for scale in (1.0, 8.0):
+            weight = torch.nn.Parameter(torch.ones(16))
+            optimizer = optimizer_class([weight], lr=0.1)
+            weight.grad = torch.linspace(-1, 1, 16) * scale
+            optimizer.step()
+            steps[optimizer_class.__name__, scale] = (weight.detach() - 1).norm().item()
+    assert steps["SGD", 8.0] / steps["SGD", 1.0] == pytest.approx(8.0)
+    assert steps["Adam", 8.0] / steps["Adam", 1.0] == pytest.approx(1.0, abs=1e-3)

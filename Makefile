@@ -1,13 +1,17 @@
 # Two commands do all the set-up on a fresh machine (they create .venv and install what is missing):
 #   make book    build the HTML book into _build/html
-#   make test    run every test: the book build (Sphinx warnings are errors), the grader and
-#                library tests, and the solution notebooks under nbval
+#   make test    run every test: the book rebuilt from scratch (Sphinx warnings are errors), the
+#                grader and library tests, the solution notebooks under nbval, and a browser over
+#                every page of the book
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+CACHE  := _build/.jupyter_cache
+# What the pages execute: when any of it changes, cached page outputs are stale.
+PAGE_INPUTS := $(shell find dtp grader -name '*.py') $(wildcard solutions/*.ipynb) requirements.txt
 
-.PHONY: book test release bench clean
+.PHONY: book test browser release bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,10 +20,25 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $@
 
-book: $(STAMP)
+# Pages are executed through Jupyter Book's cache, so a rebuild with nothing changed takes
+# seconds; the cache is dropped whenever the course library, the grader or the solutions change.
+_build/.page-inputs: $(PAGE_INPUTS)
+	rm -rf $(CACHE)
+	mkdir -p _build
+	touch $@
+
+book: $(STAMP) _build/.page-inputs
 	$(BIN)/jupyter-book build . --warningiserror --keep-going
 
-test: book
+# The browser tests drive Debian's Chromium; as root, install it when it is missing.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { test "$$(id -u)" = 0 && \
+		{ apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; }; } \
+		|| { echo "the browser tests need Chromium: apt-get install chromium (as root)"; exit 1; }
+
+test: $(STAMP) browser
+	rm -rf $(CACHE)    # every page executes again, so its numbers are fresh
+	$(MAKE) book
 	$(BIN)/python -m grader.release --check
 	$(BIN)/python -m pytest tests solutions --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
 

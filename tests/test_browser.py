@@ -1,0 +1,161 @@
+"""Every page of the built book as a reader sees it, in a real browser with the network off:
+math typeset, images loaded, no console error, internal links resolving, tables within the text
+column (or in a scrolling container), nothing requested from outside the book; from file:// and
+from a static server. A screenshot of each page's first screen goes to _build/screenshots/.
+
+Needs Debian's Chromium (/usr/bin/chromium; `make test` installs it when run as root) and
+Playwright's Python package (in requirements.txt; its own browser download is not used)."""
+from __future__ import annotations
+
+import functools
+import http.server
+import re
+import shutil
+import threading
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pytest
+
+from conftest import REPO
+
+HTML = REPO / "_build" / "html"
+SCREENSHOTS = REPO / "_build" / "screenshots"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = pytest.mark.skipif(not (HTML / "index.html").exists(), reason="book not built: run `make book`")
+
+PAGES = sorted(str(p.relative_to(HTML)) for p in [HTML / "index.html", *(HTML / "book").glob("*.html"),
+                                                   *(HTML / "notebooks").glob("*.html")])
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
+                  "--disable-background-networking", "--disable-component-update"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.fail("the browser tests need Chromium: `apt-get install chromium` (make test does it as root)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def static_server():
+    """The built book served over HTTP on 127.0.0.1, as a reader would host it."""
+    handler = functools.partial(QuietHandler, directory=str(HTML))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+class PageVisit:
+    """A page opened with every request outside `allowed_prefix` blocked and recorded."""
+
+    def __init__(self, browser, url: str, allowed_prefix: str):
+        self.context = browser.new_context(viewport={"width": 1280, "height": 900})
+        self.page = self.context.new_page()
+        self.console_errors: list[str] = []
+        self.outside_requests: list[str] = []
+        self.page.on("console", lambda message: self.console_errors.append(message.text)
+                     if message.type == "error" else None)
+        self.page.on("pageerror", lambda error: self.console_errors.append(str(error)))
+
+        def route(request_route):
+            if request_route.request.url.startswith(allowed_prefix):
+                request_route.continue_()
+            else:
+                self.outside_requests.append(request_route.request.url)
+                request_route.abort()
+
+        self.page.route("**/*", route)
+        self.page.goto(url, wait_until="load")
+        self.page.wait_for_function("!window.MathJax || (window.MathJax.startup && window.MathJax.startup.promise)")
+        self.page.evaluate("window.MathJax && window.MathJax.startup ? window.MathJax.startup.promise : null")
+
+    def close(self):
+        self.context.close()
+
+
+def _check_page(visit: PageVisit, page_path: str) -> None:
+    page = visit.page
+    assert visit.outside_requests == [], f"{page_path} requested {visit.outside_requests[:3]}"
+    assert visit.console_errors == [], f"{page_path} logged {visit.console_errors[:3]}"
+    text = page.inner_text("main")
+    assert not re.search(r"\\\(|\\\[|\$\$", text), f"{page_path} shows raw TeX"
+    broken = page.evaluate("[...document.images].filter(i => !i.complete || i.naturalWidth === 0).map(i => i.src)")
+    assert broken == [], f"{page_path}: images that did not load: {broken[:3]}"
+    hashed_alt = page.evaluate("[...document.querySelectorAll('main img')].map(i => i.alt)"
+                               ".filter(a => !a.trim() || /[0-9a-f]{32}/.test(a))")
+    assert hashed_alt == [], f"{page_path}: figures need alt text that describes them, found {hashed_alt[:2]}"
+    too_wide = page.evaluate("""() => {
+        const column = document.querySelector('main article') || document.querySelector('main');
+        const limit = column.getBoundingClientRect().right + 1;
+        return [...column.querySelectorAll('table')].filter(table => {
+            let scroller = table.parentElement;
+            while (scroller && scroller !== column) {
+                const style = getComputedStyle(scroller);
+                if (['auto', 'scroll'].includes(style.overflowX) && scroller.getBoundingClientRect().right <= limit)
+                    return false;
+                scroller = scroller.parentElement;
+            }
+            return table.getBoundingClientRect().right > limit;
+        }).map(table => table.innerText.slice(0, 60));
+    }""")
+    assert too_wide == [], f"{page_path}: tables wider than the text column: {too_wide}"
+
+
+def _internal_links(page) -> list[str]:
+    """Links to files of the book that do not exist (relative to where the page ended up: the
+    book's index.html redirects to its first page)."""
+    here = Path(unquote(urlparse(page.url).path)).parent
+    missing = []
+    for href in page.evaluate("[...document.querySelectorAll('a[href]')].map(a => a.getAttribute('href'))"):
+        parsed = urlparse(href)
+        if parsed.scheme or href.startswith("#") or href.startswith("mailto:"):
+            continue
+        target = here / unquote(parsed.path)
+        if not target.exists():
+            missing.append(href)
+    return missing
+
+
+@pytest.mark.parametrize("page_path", PAGES)
+def test_page_from_file(browser, page_path):
+    visit = PageVisit(browser, (HTML / page_path).as_uri(), "file://")
+    try:
+        _check_page(visit, page_path)
+        assert _internal_links(visit.page) == []
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        visit.page.screenshot(path=str(SCREENSHOTS / (page_path.replace("/", "__") + ".png")))
+    finally:
+        visit.close()
+
+
+@pytest.mark.parametrize("page_path", PAGES)
+def test_page_from_a_static_server(browser, static_server, page_path):
+    visit = PageVisit(browser, f"{static_server}/{page_path}", static_server)
+    try:
+        _check_page(visit, page_path)
+    finally:
+        visit.close()
+
+
+def test_search_works_offline(browser, static_server):
+    visit = PageVisit(browser, f"{static_server}/search.html?q=all-reduce", static_server)
+    try:
+        visit.page.wait_for_selector("#search-results li, .search li", timeout=15000)
+        assert visit.outside_requests == []
+        assert visit.page.locator(".search li").count() > 0
+    finally:
+        visit.close()

@@ -483,7 +483,7 @@ def test_bucketed_template_is_correct_when_unchanged(tmp_notebook):
     (dict(WAIT_FOR="position == len(self.in_flight) - 1"), "never waited"),
     (dict(CLOSE="True"), "all-reduces per step"),
     (dict(CLOSE="False"), "all-reduces per step"),
-    (dict(CLOSE="current_bytes > bucket_cap_bytes"), "buckets should hold"),
+    (dict(CLOSE="current_bytes > bucket_cap_bytes"), "buckets"),
     (dict(ORDER="list"), "buckets"),
     (dict(DIVISOR="1"), "you summed the gradients"),
     (dict(RESET="self.ready"), "all-reduces per step"),

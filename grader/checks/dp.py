@@ -382,8 +382,9 @@ def _judge_bucket_mechanism(events, buckets: list[int], cap: int, rank: int) -> 
         reduces = [e for e in step_events if e["op"] == "all_reduce"]
         sizes = [e["bytes"] for e in reduces]
         expect(len(sizes) == len(buckets),
-               f"with bucket_cap_bytes={cap} the gradients form {len(buckets)} buckets, so {len(buckets)} all-reduces "
-               f"per step; rank {rank} issued {len(sizes)} in step {step}")
+               f"with bucket_cap_bytes={cap} the gradients form {len(buckets)} buckets (filled from the last parameter "
+               f"backwards, each closed once it holds at least the cap), so {len(buckets)} all-reduces per step; "
+               f"rank {rank} issued {len(sizes)} in step {step}")
         expect(sorted(sizes) == sorted(buckets),
                f"with bucket_cap_bytes={cap} the buckets should hold {buckets} bytes (filled from the last parameter "
                f"backwards, each closed once it holds at least the cap); rank {rank} all-reduced {sizes} bytes")

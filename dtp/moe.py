@@ -1,0 +1,493 @@
+"""Mixture of experts and expert parallelism: the reference code the book runs and the grader's
+oracles, the closed forms (capacity, all-to-all bytes, parameters and FLOPs of MoE against dense
+models), a recorder of all-to-all split sizes, a small Mixtral-shaped model, and the figures.
+
+Conventions (the chapter's, stated once):
+- `x` holds T tokens of width h; the router is a bias-free linear map, logits = x @ router (h×E).
+- `indices[t, j]` is token t's j-th choice, in order of falling probability (ties, which random
+  inputs never produce, go to the lower expert index); `weights[t, j]` its gate weight.
+- A token's slot is its position in its expert's buffer; priority goes to all first choices in
+  token order, then all second choices, ... (Switch's "by position", extended to k > 1 as GShard
+  does); an assignment whose slot would reach the capacity is dropped (slot -1).
+- Experts are two-layer ReLU MLPs without biases: relu(x @ w_in[e]) @ w_out[e].
+- With expert parallelism over n ranks, rank r owns the E/n experts r·E/n ... (r+1)·E/n - 1.
+
+tests/test_ep_moe.py checks every function here against a brute-force loop, torch, or a measurement.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+import torch
+from torch import nn
+from torch._C._distributed_c10d import ProcessGroup
+
+# --- routing (numpy) --------------------------------------------------------------------------
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, shifted by the maximum so that large logits do not overflow."""
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
+def top_k_routing(logits: np.ndarray, k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, weights), each (T, k): every token's k most probable experts, best first, and
+    their softmax probabilities, divided by their sum when `renormalize` (Mixtral) or as they
+    are (Switch, k = 1)."""
+    probabilities = softmax(logits)
+    indices = np.argsort(-probabilities, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probabilities, indices, axis=-1)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return indices, weights
+
+
+# --- capacity, slots, dispatch and combine ----------------------------------------------------
+
+
+def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> int:
+    """ceil(capacity_factor · T · k / E): the buffer size of each expert (exact rational arithmetic)."""
+    return math.ceil(Fraction(capacity_factor) * num_tokens * k / num_experts)
+
+
+def assign_slots(indices: np.ndarray, num_experts: int, capacity: int | None = None) -> np.ndarray:
+    """(T, k) slot of every assignment in its expert's buffer, -1 where it is dropped; `capacity`
+    None routes dropless. Priority: choice rank first, then token position."""
+    tokens, k = indices.shape
+    choice_major = indices.T.reshape(-1)  # all first choices in token order, then all second ...
+    arrivals = np.cumsum(np.eye(num_experts, dtype=np.int64)[choice_major], axis=0)
+    slots = arrivals[np.arange(tokens * k), choice_major] - 1
+    if capacity is not None:
+        slots = np.where(slots < capacity, slots, -1)
+    return slots.reshape(k, tokens).T
+
+
+def dispatch_and_combine(indices: np.ndarray, weights: np.ndarray, slots: np.ndarray, num_experts: int,
+                         capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """GShard's one-hot form: dispatch (T, E, C), 1 where token t fills slot c of expert e, and
+    combine (T, E, C), the gate weight there. Buffers are einsum('tec,td->ecd', dispatch, x)."""
+    tokens = indices.shape[0]
+    dispatch = np.zeros((tokens, num_experts, capacity))
+    combine = np.zeros((tokens, num_experts, capacity))
+    token, choice = np.nonzero(slots >= 0)
+    dispatch[token, indices[token, choice], slots[token, choice]] = 1.0
+    combine[token, indices[token, choice], slots[token, choice]] = weights[token, choice]
+    return dispatch, combine
+
+
+def expert_mlp(x: np.ndarray, w_in: np.ndarray, w_out: np.ndarray) -> np.ndarray:
+    return np.maximum(x @ w_in, 0.0) @ w_out
+
+
+def moe_layer(x, router_weight, w_in, w_out, k: int, capacity: int | None = None, renormalize: bool = True):
+    """The single-process MoE layer in numpy, through one-hot dispatch and combine tensors. A
+    dropped assignment contributes nothing (the block's residual carries the token on); the
+    weights of the kept ones are not renormalised."""
+    num_experts = router_weight.shape[1]
+    indices, weights = top_k_routing(x @ router_weight, k, renormalize)
+    slots = assign_slots(indices, num_experts, capacity)
+    buffer_size = capacity if capacity is not None else int(slots.max()) + 1
+    dispatch, combine = dispatch_and_combine(indices, weights, slots, num_experts, buffer_size)
+    buffers = np.einsum("tec,td->ecd", dispatch, x)
+    outputs = np.einsum("ecf,efd->ecd", np.maximum(np.einsum("ecd,edf->ecf", buffers, w_in), 0.0), w_out)
+    return np.einsum("tec,ecd->td", combine, outputs)
+
+
+def moe_layer_torch(x: torch.Tensor, router_weight: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
+                    k: int, capacity: int | None = None, renormalize: bool = True) -> torch.Tensor:
+    """The same layer in torch through index maps, differentiable in x, the router and the
+    experts: the grader's single-process oracle for expert parallelism (run it once per rank's
+    tokens, capacity being per rank)."""
+    logits = x @ router_weight
+    indices, _ = top_k_routing(logits.detach().numpy(), k, renormalize)
+    slots = assign_slots(indices, router_weight.shape[1], capacity)
+    probabilities = torch.softmax(logits, dim=-1)
+    weights = probabilities.gather(1, torch.from_numpy(indices))
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    output = torch.zeros_like(x)
+    for expert in range(router_weight.shape[1]):
+        token, choice = np.nonzero((indices == expert) & (slots >= 0))
+        if token.size:
+            hidden = torch.relu(x[token] @ w_in[expert]) @ w_out[expert]
+            output = output.index_add(0, torch.from_numpy(token), weights[token, choice].unsqueeze(1) * hidden)
+    return output
+
+
+# --- balancing losses (torch) -----------------------------------------------------------------
+
+
+def dispatched_fractions(indices, num_experts: int) -> np.ndarray:
+    """f: the fraction of the T·k assignments each expert receives (before any dropping)."""
+    counts = np.bincount(np.asarray(indices).reshape(-1), minlength=num_experts)
+    return counts / counts.sum()
+
+
+def load_balancing_loss(router_logits: torch.Tensor, indices, alpha: float = 1e-2) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss alpha·E·Σ f_i·P_i (Fedus et al. 2022, section 2.2),
+    with f_i counted over all T·k assignments (so it is alpha at perfect balance for any k) and
+    P_i the mean router probability. f is a count: only P carries gradient."""
+    num_experts = router_logits.shape[-1]
+    f = torch.as_tensor(dispatched_fractions(indices, num_experts), dtype=router_logits.dtype)
+    mean_probability = torch.softmax(router_logits, dim=-1).mean(dim=0)
+    return alpha * num_experts * (f * mean_probability).sum()
+
+
+def router_z_loss(router_logits: torch.Tensor, coefficient: float = 1e-3) -> torch.Tensor:
+    """ST-MoE's router z-loss c_z · mean over tokens of logsumexp(logits)² (Zoph et al. 2022)."""
+    return coefficient * torch.logsumexp(router_logits, dim=-1).square().mean()
+
+
+def load_balancing_loss_and_gradient(logits: np.ndarray, indices, alpha: float = 1e-2) -> tuple[float, np.ndarray]:
+    """The balancing loss and its gradient with respect to the logits in closed form: with
+    p = softmax(logits), dL/dl[t, j] = (alpha·E/T) · p[t, j] · (f_j - Σ_i f_i·p[t, i]); f is constant."""
+    tokens, num_experts = logits.shape
+    f = dispatched_fractions(indices, num_experts)
+    probabilities = softmax(logits)
+    value = alpha * num_experts * float(f @ probabilities.mean(axis=0))
+    gradient = alpha * num_experts / tokens * probabilities * (f - probabilities @ f[:, None])
+    return value, gradient
+
+
+def router_z_loss_and_gradient(logits: np.ndarray, coefficient: float = 1e-3) -> tuple[float, np.ndarray]:
+    """The z-loss and its gradient: dL/dl[t, j] = (2·c_z/T) · logsumexp(l[t]) · p[t, j]."""
+    largest = logits.max(axis=1, keepdims=True)
+    log_sum_exp = largest + np.log(np.exp(logits - largest).sum(axis=1, keepdims=True))
+    value = coefficient * float(np.mean(log_sum_exp ** 2))
+    return value, 2 * coefficient / logits.shape[0] * log_sum_exp * softmax(logits)
+
+
+# --- expert parallelism: who owns what, and the bytes moved ------------------------------------
+
+
+def expert_owner(expert, num_experts: int, world_size: int):
+    """The rank holding `expert` (works on arrays): experts are split into contiguous blocks."""
+    return np.asarray(expert) // (num_experts // world_size)
+
+
+def capacity_all_to_all_bytes(world_size: int, num_experts: int, capacity: int, hidden: int,
+                              bytes_per_element: int) -> int:
+    """Bytes each rank sends to other ranks in one forward and backward pass of an MoE layer with
+    fixed capacity: four all-to-alls (dispatch, combine, and their two in backward) of E·C rows of
+    h elements of w bytes, of which the (E/n)·C rows for its own experts stay: 4(n-1)/n · E·C·h·w."""
+    return 4 * (world_size - 1) * (num_experts // world_size) * capacity * hidden * bytes_per_element
+
+
+def dropless_all_to_all_bytes(indices_by_rank, num_experts: int, hidden: int, bytes_per_element: int) -> list[int]:
+    """Bytes each rank sends to other ranks in one forward and backward pass of a dropless MoE
+    layer: its rows to other ranks' experts (dispatch, and the combine's gradients in backward)
+    plus the rows other ranks sent it (combine, and the dispatch's gradients): 2(out + in)·h·w.
+    The exchange of token counts that precedes the dispatch is not counted."""
+    world_size = len(indices_by_rank)
+    sent = np.zeros((world_size, world_size), dtype=np.int64)  # [source, destination] rows
+    for source, indices in enumerate(indices_by_rank):
+        sent[source] = np.bincount(expert_owner(np.asarray(indices).reshape(-1), num_experts, world_size),
+                                   minlength=world_size)
+    off_rank = sent - np.diag(np.diag(sent))
+    return [int(2 * (off_rank[r].sum() + off_rank[:, r].sum()) * hidden * bytes_per_element)
+            for r in range(world_size)]
+
+
+class AllToAllLog:
+    """Inside one rank: `with CommunicationLog() as log, AllToAllLog() as splits:` records, for
+    every all-to-all (`all_to_all_single` or the list `all_to_all`), the bytes and rows this rank
+    sends to each rank (its own included) and, with `payloads=True`, a copy of each piece. Opened
+    inside a CommunicationLog it calls through the log's recording, so both see every call."""
+
+    METHODS = ("all_to_all_single", "alltoall_base", "alltoall")
+
+    def __init__(self, payloads: bool = False):
+        self.payloads = payloads
+        self.calls: list[dict] = []
+
+    def _record(self, method: str, group, args) -> None:
+        if method == "alltoall":  # (outputs, inputs, options): one tensor per destination
+            pieces = list(args[1])
+        else:  # (output, input, output_split_sizes, input_split_sizes, options); no sizes: even
+            sent, splits = args[1], list(args[3]) if len(args) > 3 and len(args[3]) else None
+            if splits and sum(splits) != sent.shape[0]:
+                return  # torch refuses this call itself, with its own message
+            pieces = list(sent.split(splits if splits else max(sent.shape[0] // group.size(), 1)))
+        call = {"bytes_to": [p.numel() * p.element_size() for p in pieces],
+                "rows_to": [p.shape[0] if p.dim() else 1 for p in pieces],
+                "dtype": str(pieces[0].dtype).replace("torch.", "") if pieces else ""}
+        if self.payloads:
+            call["payload"] = [p.detach().clone() for p in pieces]
+        self.calls.append(call)
+
+    def __enter__(self):
+        self._saved = {name: vars(ProcessGroup)[name] for name in self.METHODS if name in vars(ProcessGroup)}
+        log = self
+
+        def wrap(method, current):
+            def recorded(group, *args, **kwargs):
+                log._record(method, group, args)
+                return current(group, *args, **kwargs)
+            return recorded
+
+        for method, current in self._saved.items():
+            setattr(ProcessGroup, method, wrap(method, current))
+        return self
+
+    def __exit__(self, *exc):
+        for method, current in self._saved.items():
+            setattr(ProcessGroup, method, current)
+
+
+# --- parameters and FLOPs of an MoE model against a dense one -----------------------------------
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A Mixtral-shaped decoder: RMSNorm, grouped-query attention with rotary positions (no
+    parameters), and in every block an MoE feed-forward of SwiGLU experts (three matrices each)."""
+    vocab_size: int = 32000
+    hidden: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    expert_hidden: int = 14336
+    n_experts: int = 8
+    top_k: int = 2
+
+
+MIXTRAL_8X7B = MoEConfig()  # Jiang et al. 2024, table 1
+
+
+def moe_parameter_counts(config: MoEConfig) -> dict[str, int]:
+    """Parameters of `MoETransformer(config)`: in all, and active for one token (k of the E
+    experts in every block, everything else), and those of one expert."""
+    h, kv = config.hidden, config.hidden // config.n_heads * config.n_kv_heads
+    attention = 2 * h * h + 2 * h * kv
+    expert = 3 * h * config.expert_hidden
+    router, norms = h * config.n_experts, 2 * h
+    outside = 2 * config.vocab_size * h + h  # token embedding, output layer, final norm
+    total = outside + config.n_layers * (attention + config.n_experts * expert + router + norms)
+    active = outside + config.n_layers * (attention + config.top_k * expert + router + norms)
+    return {"total": total, "active": active, "expert": expert}
+
+
+def moe_ffn_forward_flops(tokens: int, hidden: int, expert_hidden: int, num_experts: int, k: int) -> int:
+    """Matrix-multiply FLOPs of one dropless MoE feed-forward forward pass: the router, 2·T·h·E,
+    and k SwiGLU experts per token, 3 matrices of h×f at 2 FLOPs per multiply-add. A dense SwiGLU
+    feed-forward of width k·f costs the same but the router."""
+    return 2 * tokens * hidden * num_experts + 2 * tokens * k * 3 * hidden * expert_hidden
+
+
+# --- a Mixtral-shaped model: counted on the meta device, trained small by the book -----------------
+
+
+class SwiGLUExpert(nn.Module):
+    def __init__(self, hidden: int, expert_hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden, expert_hidden, bias=False)
+        self.up = nn.Linear(hidden, expert_hidden, bias=False)
+        self.down = nn.Linear(expert_hidden, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class MoEFeedForward(nn.Module):
+    """Dropless top-k routing with Mixtral's renormalised gates; keeps its last routing in
+    `self.last_logits` and `self.last_indices` for balancing losses and measurements."""
+
+    def __init__(self, hidden: int, expert_hidden: int, n_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, n_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLUExpert(hidden, expert_hidden) for _ in range(n_experts))
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = self.router(tokens)
+        weights, indices = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        self.last_logits, self.last_indices = logits, indices.detach()
+        output = torch.zeros_like(tokens)
+        for expert_index, expert in enumerate(self.experts):
+            token, choice = torch.nonzero(indices == expert_index, as_tuple=True)
+            if token.numel():
+                output = output.index_add(0, token, weights[token, choice, None] * expert(tokens[token]))
+        return output.reshape(x.shape)
+
+
+def _rotate(x, positions):
+    """Rotary position embedding (Su et al. 2021) on the last axis of (batch, heads, seq, size)."""
+    half = x.shape[-1] // 2
+    frequencies = 10000.0 ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
+    angles = positions[:, None].float() * frequencies
+    cos, sin = angles.cos(), angles.sin()
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        h, self.heads, self.kv_heads = config.hidden, config.n_heads, config.n_kv_heads
+        head = h // config.n_heads
+        self.attention_norm = nn.RMSNorm(h)
+        self.q, self.k = nn.Linear(h, h, bias=False), nn.Linear(h, head * config.n_kv_heads, bias=False)
+        self.v, self.o = nn.Linear(h, head * config.n_kv_heads, bias=False), nn.Linear(h, h, bias=False)
+        self.ffn_norm = nn.RMSNorm(h)
+        self.moe = MoEFeedForward(h, config.expert_hidden, config.n_experts, config.top_k)
+
+    def forward(self, x):
+        batch, seq, h = x.shape
+        normed = self.attention_norm(x)
+        positions = torch.arange(seq, device=x.device)
+        q = _rotate(self.q(normed).view(batch, seq, self.heads, -1).transpose(1, 2), positions)
+        k = _rotate(self.k(normed).view(batch, seq, self.kv_heads, -1).transpose(1, 2), positions)
+        v = self.v(normed).view(batch, seq, self.kv_heads, -1).transpose(1, 2)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(attended.transpose(1, 2).reshape(batch, seq, h))
+        return x + self.moe(self.ffn_norm(x))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.embedding = nn.Embedding(config.vocab_size, config.hidden)
+        self.blocks = nn.ModuleList(MoEBlock(config) for _ in range(config.n_layers))
+        self.final_norm = nn.RMSNorm(config.hidden)
+        self.output = nn.Linear(config.hidden, config.vocab_size, bias=False)
+
+    def forward(self, tokens):
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.output(self.final_norm(x))
+
+    def moe_layers(self) -> list[MoEFeedForward]:
+        return [block.moe for block in self.blocks]
+
+
+# --- expert parallelism inside data parallelism ------------------------------------------------
+
+
+def parameters_per_gpu(config: MoEConfig, expert_parallel: int) -> dict[str, float]:
+    """Parameters one GPU holds when the data-parallel ranks of a model replica split every
+    block's experts `expert_parallel` ways (no tensor or pipeline parallelism): all dense weights
+    (attention, router, norms, embeddings), and E/ep experts per block."""
+    counts = moe_parameter_counts(config)
+    experts = config.n_layers * config.n_experts * counts["expert"]
+    dense = counts["total"] - experts
+    return {"dense": dense, "experts": experts / expert_parallel, "total": dense + experts / expert_parallel}
+
+
+# --- the book's experiment: routing of a small MoE language model on real text ---------------------
+
+
+def python_documentation_bytes() -> torch.Tensor:
+    """English prose that ships with every CPython (the pydoc help topics) as byte tokens, 0 to
+    255: a real corpus that needs no download."""
+    import pydoc_data.topics
+
+    text = "\n".join(pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics))
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def routing_statistics(model: MoETransformer, tokens: torch.Tensor, capacity_factors=(1.0,)) -> dict:
+    """Run `tokens` (batch, seq) through the model and measure each MoE layer's routing, averaged
+    over layers: `imbalance`, the busiest expert's load over the mean load (E·max f, 1 when
+    even), and `dropped[cf]`, the fraction of assignments over capacity with capacity factor cf,
+    the batch being one group."""
+    with torch.no_grad():
+        model(tokens)
+    imbalance, dropped = [], {factor: [] for factor in capacity_factors}
+    for layer in model.moe_layers():
+        indices = layer.last_indices.numpy()
+        experts = layer.router.out_features
+        imbalance.append(experts * dispatched_fractions(indices, experts).max())
+        for factor in capacity_factors:
+            capacity = expert_capacity(len(indices), experts, indices.shape[1], factor)
+            dropped[factor].append(float(np.mean(assign_slots(indices, experts, capacity) < 0)))
+    return {"imbalance": float(np.mean(imbalance)), "dropped": {f: float(np.mean(d)) for f, d in dropped.items()}}
+
+
+def train_on_text(config: MoEConfig, alpha: float, steps: int, measure_every: int, seed: int = 0,
+                  batch: int = 8, seq: int = 128, lr: float = 3e-3, z_loss: float = 1e-3) -> dict:
+    """Train `MoETransformer(config)` (byte tokens) on `python_documentation_bytes` with AdamW,
+    the load-balancing loss with `alpha` (0: none) and the router z-loss on every MoE layer; the
+    routing statistics of a fixed held-out batch (the text's last batch·seq bytes) at step 0 and
+    every `measure_every` steps."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only contend (and change the rounding)
+    try:
+        return _train_on_text(config, alpha, steps, measure_every, seed, batch, seq, lr, z_loss)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_on_text(config, alpha, steps, measure_every, seed, batch, seq, lr, z_loss) -> dict:
+    data = python_documentation_bytes()
+    held_out = data[-batch * seq:].view(batch, seq)
+    training = data[:-batch * seq]
+    torch.manual_seed(seed)
+    model = MoETransformer(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    history = {"step": [0], "statistics": [routing_statistics(model, held_out)], "loss": []}
+    for step in range(1, steps + 1):
+        generator = torch.Generator().manual_seed(seed * 100003 + step)
+        starts = torch.randint(0, len(training) - seq - 1, (batch,), generator=generator)
+        window = torch.stack([training[s:s + seq + 1] for s in starts.tolist()])
+        logits = model(window[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), window[:, 1:].reshape(-1))
+        auxiliary = sum(router_z_loss(layer.last_logits, z_loss) + (
+            load_balancing_loss(layer.last_logits, layer.last_indices.numpy(), alpha) if alpha else 0.0)
+            for layer in model.moe_layers())
+        optimizer.zero_grad()
+        (loss + auxiliary).backward()
+        optimizer.step()
+        history["loss"].append(loss.item())
+        if step % measure_every == 0:
+            history["step"].append(step)
+            history["statistics"].append(routing_statistics(model, held_out))
+    history["model"], history["held_out"] = model, held_out
+    return history
+
+
+# --- figures ---------------------------------------------------------------------------------------
+
+
+def imbalance_figure(histories: dict[str, dict], num_experts: int):
+    """The busiest expert's load over the mean load on the held-out batch, against training step,
+    one line per labelled run; 1 is perfect balance, E means every token on one expert."""
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 3.8))
+    for label, history in histories.items():
+        axis.plot(history["step"], [s["imbalance"] for s in history["statistics"]], marker="o", markersize=3,
+                  label=label)
+    axis.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="perfect balance")
+    axis.set_ylim(0.8, None)
+    axis.set_xlabel("training step")
+    axis.set_ylabel(f"busiest expert's load / mean load\n(E·max f, {num_experts} experts)")
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    plt.close(figure)
+    return figure
+
+
+def dropped_figure(curves: dict[str, dict[float, float]]):
+    """Fraction of assignments dropped against the capacity factor, one line per labelled router."""
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 3.8))
+    for label, dropped in curves.items():
+        factors = sorted(dropped)
+        axis.plot(factors, [100 * dropped[f] for f in factors], marker="o", markersize=3, label=label)
+    axis.set_xlabel("capacity factor (capacity = ceil(factor · T·k / E))")
+    axis.set_ylabel("assignments dropped (%)")
+    axis.set_ylim(0, None)
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    plt.close(figure)
+    return figure

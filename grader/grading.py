@@ -41,6 +41,10 @@ def world_failure(world) -> tuple[str, str]:
         return "reference", str(world).split("UsesCourseReference: ", 1)[-1]
     if world.exc_type == "CheckFailed":
         return "failed", str(world).split("CheckFailed: ", 1)[-1]
+    if world.exc_type == "MemoryError" or "can't allocate memory" in str(world):
+        from .sandbox import MEMORY_BUDGET_BYTES
+        return "error", (f"{str(world)[:200]}: the grader allows each exercise {MEMORY_BUDGET_BYTES / 2**30:g} GiB "
+                         "per process")
     return ("timeout" if world.kind in ("collective_timeout", "timeout") else "error"), str(world)
 
 
@@ -69,7 +73,19 @@ def collect_in_sandbox(exercise: Exercise, load_student, inputs) -> tuple[str, o
     except SystemExit as exc:
         return "error", f"your code called sys.exit({exc.code!r}){_where_in_notebook(exc)}; return a value instead"
     except BaseException as exc:  # noqa: BLE001 - anything the learner's code raises costs only this exercise
+        if _out_of_memory(exc):
+            return "error", _memory_feedback(exc)
         return "error", f"{_short(exc)}{_where_in_notebook(exc)}"
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, MemoryError) or "can't allocate memory" in str(exc) or "out of memory" in str(exc).lower()
+
+
+def _memory_feedback(exc: BaseException) -> str:
+    from .sandbox import MEMORY_BUDGET_BYTES
+    return (f"your code ran out of memory{_where_in_notebook(exc)}: the grader allows each exercise "
+            f"{MEMORY_BUDGET_BYTES / 2**30:g} GiB per process ({_short(exc)[:120]})")
 
 
 def judge(exercise: Exercise, inputs, data) -> tuple[str, str]:

@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -144,6 +145,29 @@ def kill_descendants(give_up_after_s: float = 10.0) -> None:
         time.sleep(0.002)
 
 
+MEMORY_BUDGET_BYTES = 4 * 2**30  # per process of an exercise, beyond what the sandbox holds when it starts
+_memory_cap_bytes: int | None = None  # set in a sandbox
+
+
+def _cap_memory() -> None:
+    """Limit the address space of the sandbox and everything it starts (ranks inherit the
+    limit) to what it already maps plus a budget, so that a runaway allocation fails in the
+    learner's code, with a clear status, instead of taking the machine's memory."""
+    global _memory_cap_bytes
+    try:
+        with open("/proc/self/status") as status:
+            mapped = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    except (OSError, StopIteration):
+        return
+    _memory_cap_bytes = mapped + MEMORY_BUDGET_BYTES
+    resource.setrlimit(resource.RLIMIT_AS, (_memory_cap_bytes, _memory_cap_bytes))
+
+
+def memory_cap_bytes() -> int | None:
+    """Inside a sandbox, the address-space limit its processes run under."""
+    return _memory_cap_bytes
+
+
 def _sandbox_main(task, writer, to_grader, scratch_dir: str, workdir: str | None, warden_pid: int,
                   timeout_s: float) -> None:
     global _child_deadline
@@ -154,6 +178,7 @@ def _sandbox_main(task, writer, to_grader, scratch_dir: str, workdir: str | None
     _prctl(_PR_SET_DUMPABLE, 1)  # its own /proc entries stay usable by the libraries it runs
     _drop_privileges()
     import torch
+    _cap_memory()
     # A forked copy of a parent's OpenMP thread pool (a kernel that ran torch ops) can hang on its
     # first parallel region; one thread avoids that pool, and checks are small anyway.
     torch.set_num_threads(1)

@@ -238,3 +238,18 @@ def test_the_next_grader_removes_the_scratch_folder_of_one_killed_with_its_warde
     os.makedirs(leftover)
     assert grade(solution_path("dp"), "dp.ring_time")["dp.ring_time"].status == "passed"
     assert not os.path.exists(leftover)
+
+
+def test_an_allocation_beyond_the_memory_cap_is_reported_not_fatal(tmp_notebook):
+    """40 GiB, more than this machine has: the exercise gets one clear line, the next is graded."""
+    path = tmp_notebook("dp", {"bus_bandwidth": (
+        "import numpy as np\n"
+        "def ring_allreduce_time(n, size_bytes, alpha_s, bandwidth_bytes_per_s):\n"
+        "    return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * size_bytes / bandwidth_bytes_per_s\n"
+        "def bus_bandwidth(size_bytes, time_s, n):\n"
+        "    hoard = np.ones(5 * 2**30)  # 40 GiB of float64\n"
+        "    return size_bytes / time_s * 2 * (n - 1) / n\n")})
+    results = grade(path, "dp.bus_bandwidth", RING_TIME_OK)
+    assert results["dp.bus_bandwidth"].status == "error"
+    assert "ran out of memory" in results["dp.bus_bandwidth"].feedback and "GiB per process" in results["dp.bus_bandwidth"].feedback
+    assert results[RING_TIME_OK].status == "passed"

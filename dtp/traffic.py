@@ -13,6 +13,7 @@ import time
 
 import torch
 from torch._C._distributed_c10d import ProcessGroup, Work
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # ProcessGroup method -> (operation, index of the argument holding this rank's input tensors)
 _OPERATIONS = {
@@ -52,6 +53,32 @@ def _group_ranks(group) -> tuple[int, ...] | None:
         return None
 
 
+# Functional collectives (torch.distributed._functional_collectives, used by DTensor and by
+# compiled code) do not go through the ProcessGroup's Python methods: they are dispatcher ops.
+_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional")
+_FUNCTIONAL_OPERATIONS = (("all_to_all", "all_to_all"), ("all_reduce", "all_reduce"), ("all_gather", "all_gather"),
+                          ("reduce_scatter", "reduce_scatter"), ("broadcast", "broadcast"))
+
+
+class _FunctionalCollectives(TorchDispatchMode):
+    """Records the functional collectives a rank issues into a CommunicationLog."""
+
+    def __init__(self, log: "CommunicationLog"):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in _FUNCTIONAL_NAMESPACES:
+            name = func.__name__.split(".")[0]
+            op = next((normal for key, normal in _FUNCTIONAL_OPERATIONS if key in name), None)
+            if op is not None:
+                self.log.events.append({"op": op, "bytes": _nbytes(args[0]) if args else 0, "functional": True,
+                                        "t": time.perf_counter()})
+            elif name == "wait_tensor":
+                self.log.events.append({"op": "wait", "of": None, "functional": True, "t": time.perf_counter()})
+        return func(*args, **(kwargs or {}))
+
+
 class CommunicationLog:
     """Inside one rank: `with CommunicationLog() as log: ...` records every operation in order.
 
@@ -59,8 +86,10 @@ class CommunicationLog:
     "all_to_all", "broadcast", "reduce", "gather", "scatter", "barrier", "wait" or "mark"),
     "bytes" (this rank's input: what it sends, or contributes to a collective), "peer" (for
     send/recv, the group rank of the other side), "root" (broadcast, reduce, ...), "group" (the
-    global ranks of the group), "t" (perf_counter when issued), and with `payloads=True` a copy
-    of every sent tensor as "payload". A "wait" event names the event whose handle was waited on.
+    global ranks of the group), "t" (perf_counter when issued), "splits" (an all-to-all's input
+    and output split sizes), and with `payloads=True` a copy of every sent tensor as "payload".
+    A "wait" event names the event whose handle was waited on. Functional collectives (dispatcher
+    ops that bypass the process group's methods) are recorded too, marked "functional".
     """
 
     def __init__(self, payloads: bool = False):
@@ -92,6 +121,8 @@ class CommunicationLog:
                 event["payload"] = [t.detach().clone() for t in _tensors(args[0])]
         elif len(args) > 1 and hasattr(args[-1], "rootRank"):
             event["root"] = args[-1].rootRank
+        if method in ("all_to_all_single", "alltoall_base") and len(args) > 3:
+            event["splits"] = {"output": list(args[2]), "input": list(args[3])}
         self.events.append(event)
         return event
 
@@ -117,9 +148,12 @@ class CommunicationLog:
         for method, original in _ORIGINALS.items():
             setattr(ProcessGroup, method, wrap(method, original))
         Work.wait = recorded_wait
+        self._functional = _FunctionalCollectives(self)
+        self._functional.__enter__()
         return self
 
     def __exit__(self, *exc):
+        self._functional.__exit__(*exc)
         for method, original in _ORIGINALS.items():
             setattr(ProcessGroup, method, original)
         Work.wait = _ORIGINAL_WAIT

@@ -124,3 +124,19 @@ def test_feedback_cannot_add_lines_to_the_table(tmp_notebook):
     rows = [line for line in completed.stdout.splitlines() if "dp.bus_bandwidth" in line]
     assert len(rows) == 1 and "error" in rows[0]
     assert "total 0/1" in completed.stdout and "total 1/1" not in completed.stdout
+
+
+FUNCTIONAL_ALL_GATHER_RING = '''
+import torch.distributed._functional_collectives as functional
+
+def ring_all_reduce(tensor):
+    # A functional collective (a dispatcher op, not a ProcessGroup method) plus a local sum.
+    gathered = functional.all_gather_tensor(tensor, 0, dist.group.WORLD)
+    tensor.copy_(gathered.view(dist.get_world_size(), -1).sum(0))
+'''
+
+
+def test_functional_collectives_are_recorded_too(tmp_notebook):
+    result = grade(tmp_notebook("dp", {"ring_all_reduce": FUNCTIONAL_ALL_GATHER_RING}),
+                   "dp.ring_allreduce_gloo")["dp.ring_allreduce_gloo"]
+    assert result.status == "failed" and "called all_gather" in result.feedback, result

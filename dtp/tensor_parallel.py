@@ -1,0 +1,233 @@
+"""Tensor parallelism: the closed forms the book prints and the grader holds answers to, the link
+figures they use, and the measuring tools that the book, the notebook and the checks share.
+
+Conventions: t is the tensor-parallel degree, T = b·s the tokens of a micro-batch, h the hidden
+size, e the bytes per activation element (2 for fp16/bf16). Bandwidths are in bytes per second
+per direction unless a name says otherwise; tests/test_tp_formulas.py checks every formula
+against a count on a real gloo world or against dtp.memory.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+# backward(gradient) imports this lazily, about 2 s on this machine; imported here, before any
+# gloo world forks, every rank inherits it instead of importing it again.
+import torch.fx.experimental.symbolic_shapes  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from . import costs, memory
+from .gpt import Block, GPTConfig
+
+# --- links and chips (vendors' figures, with the direction they count) -------------------------
+
+# NVIDIA H100 SXM5 datasheet: "NVLink 900GB/s", the sum over 18 NVLink-4 links of both
+# directions; each link carries 25 GB/s each way, so 450 GB/s leave (and 450 GB/s enter) a GPU.
+NVLINK4_BIDIRECTIONAL_BYTES_PER_S = 900e9
+NVLINK4_PER_DIRECTION_BYTES_PER_S = NVLINK4_BIDIRECTIONAL_BYTES_PER_S / 2
+# InfiniBand NDR: 400 Gb/s (gigabits) per port and direction, one ConnectX-7 port per GPU.
+INFINIBAND_NDR_GBIT_PER_S = 400
+# H100 SXM5 datasheet: 989 TFLOP/s of dense bf16 (the 1,979 printed beside it assumes 2:4 sparsity).
+H100_BF16_DENSE_FLOPS = 989.4e12
+
+
+def gigabits_to_bytes_per_s(gigabits_per_s: float) -> float:
+    """A network's Gb/s (10⁹ bits) as bytes per second: 8 bits to a byte."""
+    return gigabits_per_s * 1e9 / 8
+
+
+# --- messages and traffic ----------------------------------------------------------------------
+
+ALL_REDUCES_PER_LAYER = {"forward": 2, "backward": 2}  # Shoeybi et al. 2019, figure 4
+
+
+def all_reduce_message_bytes(tokens: int, hidden: int, bytes_per_element: int = 2) -> int:
+    """S = b·s·h·e: one all-reduce of tensor parallelism sums an activation of every token."""
+    return tokens * hidden * bytes_per_element
+
+
+def ring_bytes_per_gpu_per_layer(tokens: int, hidden: int, t: int, bytes_per_element: int = 2,
+                                 passes: tuple[str, ...] = ("forward", "backward")) -> float:
+    """Bytes each GPU sends per transformer layer in the given passes: 2 all-reduces per pass,
+    each 2(t-1)/t·S in a ring. Sequence parallelism sends the same: an all-gather and a
+    reduce-scatter of (t-1)/t·S each replace each all-reduce."""
+    size = all_reduce_message_bytes(tokens, hidden, bytes_per_element)
+    count = sum(ALL_REDUCES_PER_LAYER[p] for p in passes)
+    return count * costs.ring_all_reduce_bytes_per_rank(t, size)
+
+
+def layer_communication_time_s(tokens: int, hidden: int, t: int, bandwidth_bytes_per_s: float,
+                               bytes_per_element: int = 2, passes=("forward", "backward")) -> float:
+    """Time to send a layer's tensor-parallel traffic at a per-direction bandwidth (a GPU sends
+    and receives at once on a full-duplex link), with no latency term: a lower bound."""
+    return ring_bytes_per_gpu_per_layer(tokens, hidden, t, bytes_per_element, passes) / bandwidth_bytes_per_s
+
+
+def layer_training_flops(tokens: int, seq: int, hidden: int, mlp_ratio: int = 4) -> float:
+    """Matrix FLOPs of one layer's forward and backward pass over `tokens` tokens in sequences of
+    `seq`: 6 per token per weight ((4 + 2r)h²) plus attention's QKᵀ and AV, 12·T·s·h
+    (as dtp.memory.transformer_training_flops counts a whole model)."""
+    return 6 * tokens * (4 + 2 * mlp_ratio) * hidden**2 + 12 * tokens * seq * hidden
+
+
+def vocab_parallel_loss_bytes(tokens: int, bytes_per_element: int = 4) -> int:
+    """What the vocabulary-parallel cross-entropy all-reduces: the max, the sum of exponentials
+    and the target logit, one number per token each."""
+    return 3 * tokens * bytes_per_element
+
+
+def sequence_parallel_saving_bytes(seq: int, batch: int, hidden: int, heads: int, t: int) -> float:
+    """Activation bytes per layer that sequence parallelism saves on each GPU, from the memory
+    chapter's formula: sbh(10 + 24/t + 5as/(ht)) - sbh(34/t + 5as/(ht)) = 10sbh(1 - 1/t)."""
+    def per_layer(sp: bool) -> float:
+        return memory.activation_bytes_per_layer(seq, batch, hidden, heads, tensor_parallel=t, sequence_parallel=sp)
+    return per_layer(False) - per_layer(True)
+
+
+def sequence_parallel_saving_on_cpu(seq: int, batch: int, hidden: int, t: int, element_bytes: int,
+                                    dropout: bool, regather: bool) -> float:
+    """What sequence parallelism saves per rank and layer in this course's blocks, as PyTorch on
+    the CPU stores it, term by term, each times (1 - 1/t): the two LayerNorms' inputs (2·e·sbh);
+    their mean and 1/std (2·2·e·sb); with dropout, the two residual dropouts' masks, which the
+    CPU stores in the activation's dtype (2·e·sbh, where the paper counts 1 byte each); and,
+    when the QKV and first MLP projections keep only their sequence piece and all-gather it
+    again in backward, their gathered inputs (2·e·sbh). In fp16 with 1-byte masks the first,
+    third and fourth terms are the 4 + 2 + 4 = 10sbh of Korthikanti et al.'s formula."""
+    s, b, h, e = seq, batch, hidden, element_bytes
+    saved = 2 * e * s * b * h + 2 * 2 * e * s * b
+    saved += 2 * e * s * b * h if dropout else 0
+    saved += 2 * e * s * b * h if regather else 0
+    return saved * (1 - 1 / t)
+
+
+# --- splitting -------------------------------------------------------------------------------
+
+
+def shard_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of piece `index` when `size` is cut into `parts` by torch.tensor_split's rule
+    (the first size % parts pieces are one longer)."""
+    base, extra = divmod(size, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (index < extra)
+
+
+def gelu_numpy(x: np.ndarray) -> np.ndarray:
+    """The exact GeLU, x·Φ(x), elementwise (torch.nn.functional.gelu's default)."""
+    x = np.asarray(x, dtype=np.float64)
+    return x * 0.5 * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(x / math.sqrt(2.0)))
+
+
+def random_block(hidden: int, heads: int, seed: int, dropout: float = 0.0) -> Block:
+    """A dtp.gpt Block whose every parameter is random, LayerNorms included (not ones and zeros),
+    so that each value says where it sits: a matrix's rows and columns are all different, and no
+    value repeats among the vectors (biases, LayerNorm weights). Fan-in scaled, so that
+    activations stay near 1."""
+    generator = torch.Generator().manual_seed(seed)
+    block = Block(GPTConfig(hidden=hidden, n_heads=heads, dropout=dropout))
+    while True:  # the 13h vector values collide rarely (float32); draw again until none does
+        with torch.no_grad():
+            for name, parameter in block.named_parameters():
+                noise = torch.randn(parameter.shape, generator=generator)
+                if "norm" in name:
+                    parameter.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * noise)
+                elif name.endswith("weight"):
+                    parameter.copy_(noise / math.sqrt(parameter.shape[1]))
+                else:
+                    parameter.copy_(0.2 * noise)
+        vectors = torch.cat([p.detach() for p in block.parameters() if p.dim() == 1])
+        if len(torch.unique(vectors)) == len(vectors):
+            return block
+
+
+# --- measuring what a rank does ------------------------------------------------------------------
+
+
+class TensorShapes(TorchDispatchMode):
+    """`with TensorShapes() as shapes:` records the shape of every tensor each torch operation
+    returns (forward and backward on the CPU, collectives included), so that a tensor a rank
+    must never hold (the full logits) is seen if it is ever made."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # By default torch wraps __torch_dispatch__ in dynamo's disable, which imports
+        # torch._dynamo (seconds) in every rank that records; nothing here is ever compiled.
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        return result
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather",
+               "scatter", "send", "recv", "barrier")
+
+
+def events_between(events: list[dict], start: str, stop: str) -> list[dict]:
+    """The communication events (no marks, no waits) between the marks labelled start and stop."""
+    labels = [event.get("label") for event in events]
+    first, last = labels.index(start), labels.index(stop)
+    return [event for event in events[first + 1:last] if event["op"] in COLLECTIVES]
+
+
+def as_all_reduces(events: list[dict]) -> list[dict]:
+    """Events with each reduce-scatter that is directly followed by an all-gather of its result
+    (together an all-reduce, the way a ring runs one) merged into one all-reduce of the
+    reduce-scatter's size."""
+    merged, index = [], 0
+    while index < len(events):
+        event = events[index]
+        following = events[index + 1] if index + 1 < len(events) else None
+        if event["op"] == "reduce_scatter" and following is not None and following["op"] == "all_gather":
+            merged.append({**event, "op": "all_reduce"})
+            index += 2
+        else:
+            merged.append(event)
+            index += 1
+    return merged
+
+
+def summarize(events: list[dict]) -> dict[str, list[int]]:
+    """{operation: [bytes of each call]} in order, e.g. {"all_reduce": [8192, 8192]}."""
+    summary: dict[str, list[int]] = {}
+    for event in events:
+        summary.setdefault(event["op"], []).append(event.get("bytes", 0))
+    return summary
+
+
+# --- the book's figure ------------------------------------------------------------------------
+
+
+def link_time_figure(tokens: int, seq: int, hidden: int, degrees, gpus_per_node: int = 8):
+    """Per-layer, per-GPU time against the TP degree: the ring traffic of forward and backward
+    on NVLink 4 (drawn only up to one node's GPUs) and on InfiniBand NDR, both per direction,
+    and the layer's matrix multiplies at H100's bf16 dense peak."""
+    import matplotlib.pyplot as plt
+
+    degrees = np.asarray(degrees)
+    infiniband = gigabits_to_bytes_per_s(INFINIBAND_NDR_GBIT_PER_S)
+    in_node = degrees[degrees <= gpus_per_node]
+    figure, axis = plt.subplots(figsize=(7, 5))
+    axis.plot(in_node, [layer_communication_time_s(tokens, hidden, t, NVLINK4_PER_DIRECTION_BYTES_PER_S) * 1e3
+                        for t in in_node], marker="o", label="communication, NVLink 4 (450 GB/s per direction)")
+    axis.plot(degrees, [layer_communication_time_s(tokens, hidden, t, infiniband) * 1e3 for t in degrees],
+              marker="s", label="communication, InfiniBand NDR (400 Gb/s = 50 GB/s per direction)")
+    axis.plot(degrees, [layer_training_flops(tokens, seq, hidden) / t / H100_BF16_DENSE_FLOPS * 1e3 for t in degrees],
+              marker="^", linestyle="--", color="black", label="compute at the H100 bf16 dense peak")
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xticks(degrees, [str(t) for t in degrees])
+    axis.set_xlabel("tensor-parallel degree t (GPUs sharing each layer)")
+    axis.set_ylabel("time per layer per GPU, forward + backward (ms)")
+    axis.set_title(f"{tokens} tokens, hidden {hidden}, fp16 activations")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1, frameon=False)
+    figure.tight_layout()
+    plt.close(figure)  # glue displays it
+    return figure

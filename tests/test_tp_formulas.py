@@ -1,0 +1,206 @@
+"""Every closed form of dtp.tensor_parallel (the numbers the tensor-parallelism page prints)
+against a count on a real gloo world running the course's solution, a FLOP counter, or the
+memory chapter's formula; and the measuring tools the checks rely on."""
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import solution_path
+from dtp import memory
+from dtp import tensor_parallel as tp
+from dtp.activations import saved_activation_bytes
+from dtp.gpt import Block, GPTConfig
+from dtp.traffic import CommunicationLog
+from dtp.world import run_world
+from grader.checks.common import events_as_data
+from grader.student import StudentCode
+
+
+@pytest.fixture(scope="module")
+def course():
+    return StudentCode.from_notebook(str(solution_path("tp")))
+
+
+@pytest.fixture(scope="module")
+def course_ring():
+    return StudentCode.from_notebook(str(solution_path("dp"))).ring_all_reduce
+
+
+def test_shard_bounds_follow_tensor_split():
+    for size in range(0, 23):
+        for parts in range(1, 7):
+            pieces = torch.arange(size).tensor_split(parts)
+            for index, piece in enumerate(pieces):
+                start, stop = tp.shard_bounds(size, parts, index)
+                assert list(range(start, stop)) == piece.tolist()
+
+
+def test_gelu_numpy_is_torchs_exact_gelu():
+    x = np.linspace(-6, 6, 241)
+    assert np.allclose(tp.gelu_numpy(x), torch.nn.functional.gelu(torch.from_numpy(x)).numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_random_block_values_say_where_they_sit():
+    block = tp.random_block(hidden=16, heads=4, seed=3)
+    vectors = torch.cat([p.detach() for p in block.parameters() if p.dim() == 1])
+    assert len(torch.unique(vectors)) == len(vectors)  # LayerNorms included: no ones, no zeros
+    for matrix in (p.detach() for p in block.parameters() if p.dim() == 2):
+        assert torch.unique(matrix, dim=0).shape == torch.unique(matrix, dim=1).shape == matrix.shape
+    assert tp.random_block(hidden=64, heads=4, seed=0) is not None  # large blocks too (their matrices do repeat values)
+    assert all(torch.equal(a, b) for a, b in zip(block.parameters(), tp.random_block(16, 4, 3).parameters()))
+
+
+def _block_traffic(rank, world_size, block_class, ring, x, sequence_parallel):
+    block = tp.random_block(x.shape[-1], 4, 0)
+    parallel = block_class(block)
+    if ring is not None:
+        dist.all_reduce = ring  # the data-parallel chapter's ring (send/recv), so every sent byte is counted
+    if sequence_parallel:
+        x = x.chunk(world_size, dim=1)[rank]
+    x = x.clone().requires_grad_()
+    with CommunicationLog() as log:
+        log.mark("forward")
+        out = parallel(x)
+        log.mark("backward")
+        out.backward(torch.ones_like(out))
+        log.mark("done")
+    events = events_as_data(log)
+    return {"forward": tp.summarize(tp.events_between(events, "forward", "backward")),
+            "backward": tp.summarize(tp.events_between(events, "backward", "done")), "sent": log.bytes_sent}
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_two_all_reduces_of_bsh_values_per_pass(course, t):
+    batch, seq, hidden = 2, 3, 16
+    x = torch.randn(batch, seq, hidden)
+    size = tp.all_reduce_message_bytes(batch * seq, hidden, bytes_per_element=4)
+    for outcome in run_world(_block_traffic, t, (course.TensorParallelBlock, None, x, False)):
+        for phase, count in tp.ALL_REDUCES_PER_LAYER.items():
+            assert outcome[phase] == {"all_reduce": [size] * count}
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_ring_traffic_per_gpu_is_what_a_ring_sends(course, course_ring, t):
+    batch, seq, hidden = 2, 4, 16  # b·s·h divisible by t: equal chunks
+    x = torch.randn(batch, seq, hidden)
+    sent = [o["sent"] for o in run_world(_block_traffic, t, (course.TensorParallelBlock, course_ring, x, False))]
+    assert sent == [tp.ring_bytes_per_gpu_per_layer(batch * seq, hidden, t, bytes_per_element=4)] * t
+    forward_only = tp.ring_bytes_per_gpu_per_layer(batch * seq, hidden, t, 4, passes=("forward",))
+    assert forward_only * 2 == sent[0]
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_sequence_parallelism_sends_what_tensor_parallelism_sends(course, t):
+    """An all-gather of S/t per rank forwards t-1 pieces: (t-1)/t·S; a reduce-scatter of S sends
+    (t-1)/t·S in a ring: together the 2(t-1)/t·S of the all-reduce they replace."""
+    batch, seq, hidden = 2, 4, 16
+    x = torch.randn(batch, seq, hidden)
+    for outcome in run_world(_block_traffic, t, (course.SequenceParallelBlock, None, x, True)):
+        ring_bytes = 0.0
+        for phase in ("forward", "backward"):
+            assert sorted(outcome[phase]) == ["all_gather", "reduce_scatter"]
+            ring_bytes += sum((t - 1) * size for size in outcome[phase]["all_gather"])
+            ring_bytes += sum((t - 1) / t * size for size in outcome[phase]["reduce_scatter"])
+        assert ring_bytes == pytest.approx(tp.ring_bytes_per_gpu_per_layer(batch * seq, hidden, t, 4))
+
+
+def test_layer_flops_match_the_flop_counter_and_the_memory_chapter():
+    batch, seq, hidden, heads = 2, 64, 128, 4
+    block = Block(GPTConfig(hidden=hidden, n_heads=heads, dropout=0.0))
+    x = torch.randn(batch, seq, hidden, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        block(x).sum().backward()
+    assert counter.get_total_flops() == tp.layer_training_flops(batch * seq, seq, hidden)
+    config = GPTConfig(vocab_size=1, n_layers=1, hidden=hidden, n_heads=heads)
+    whole_model = memory.transformer_training_flops(config, batch, seq)
+    assert whole_model - 6 * batch * seq * hidden == tp.layer_training_flops(batch * seq, seq, hidden)
+
+
+def test_sequence_parallel_saving_is_10sbh_times_1_minus_1_over_t():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        s, b, heads, t = int(rng.integers(1, 5000)), int(rng.integers(1, 9)), int(rng.integers(1, 65)), int(rng.integers(1, 17))
+        h = heads * int(rng.integers(1, 257))
+        assert tp.sequence_parallel_saving_bytes(s, b, h, heads, t) == pytest.approx(10 * s * b * h * (1 - 1 / t))
+    # in fp16 with 1-byte masks, the CPU accounting's LayerNorm inputs, masks and gathered inputs are the paper's 10sbh
+    s, b, h, t = 512, 2, 256, 4
+    paper_terms = tp.sequence_parallel_saving_on_cpu(s, b, h, t, 2, dropout=False, regather=True) \
+        - 2 * 2 * 2 * s * b * (1 - 1 / t) + 1 * s * b * h * 2 * (1 - 1 / t)  # LayerNorm statistics out, 1-byte masks in
+    assert paper_terms == pytest.approx(tp.sequence_parallel_saving_bytes(s, b, h, 8, t))
+
+
+class Recomputed(torch.nn.Module):
+    """Keeps only its input and runs `inner` again in backward (the all-gather included)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _saved_bytes(rank, world_size, tensor_parallel_class, sequence_parallel_class, shape, dtype, dropout):
+    batch, seq, hidden = shape
+    block = tp.random_block(hidden, 4, 0, dropout=dropout).to(dtype).train()
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    piece = x.detach().chunk(world_size, dim=1)[rank].clone().requires_grad_()
+    regathering = sequence_parallel_class(block).train()
+    regathering.attention.qkv = Recomputed(regathering.attention.qkv)
+    regathering.mlp.up = Recomputed(regathering.mlp.up)
+    return (saved_activation_bytes(tensor_parallel_class(block).train(), x),
+            saved_activation_bytes(sequence_parallel_class(block).train(), piece),
+            saved_activation_bytes(regathering, piece))
+
+
+@pytest.mark.parametrize("t, dtype, dropout", [(2, torch.bfloat16, 0.1), (4, torch.float32, 0.0)])
+def test_measured_sequence_parallel_saving_term_by_term(course, t, dtype, dropout):
+    shape = (2, 16, 32)
+    element_bytes = torch.finfo(dtype).bits // 8
+    tensor_parallel, sequence_parallel, regathering = run_world(
+        _saved_bytes, t, (course.TensorParallelBlock, course.SequenceParallelBlock, shape, dtype, dropout))[0]
+    s, b, h = shape[1], shape[0], shape[2]
+    assert tensor_parallel - sequence_parallel == tp.sequence_parallel_saving_on_cpu(
+        s, b, h, t, element_bytes, dropout=dropout > 0, regather=False)
+    assert tensor_parallel - regathering == tp.sequence_parallel_saving_on_cpu(
+        s, b, h, t, element_bytes, dropout=dropout > 0, regather=True)
+
+
+def _loss_traffic(rank, world_size, cross_entropy, logits, targets):
+    start, stop = tp.shard_bounds(logits.shape[1], world_size, rank)
+    with CommunicationLog() as log, tp.TensorShapes() as shapes:
+        cross_entropy(logits[:, start:stop].clone().requires_grad_(), targets, start).sum().backward()
+    return [event["bytes"] for event in log.of("all_reduce")], shapes.shapes
+
+
+def test_the_loss_all_reduces_three_numbers_per_token_and_never_the_logits(course):
+    tokens, vocab = 5, 37
+    logits, targets = torch.randn(tokens, vocab), torch.randint(0, vocab, (tokens,))
+    for sizes, shapes in run_world(_loss_traffic, 3, (course.vocab_parallel_cross_entropy, logits, targets)):
+        assert sum(sizes) == tp.vocab_parallel_loss_bytes(tokens, 4) and len(sizes) == 3
+        assert {(tokens, 12), (tokens, 13)} & set(shapes) and not any(vocab in shape for shape in shapes)
+
+
+def test_tensor_shapes_sees_backward_and_does_not_import_dynamo():
+    x = torch.randn(3, 7, requires_grad=True)
+    with tp.TensorShapes() as shapes:
+        (x.exp() * 2).sum().backward()
+    assert (3, 7) in shapes.shapes and () in shapes.shapes
+    assert not hasattr(tp.TensorShapes.__torch_dispatch__, "__wrapped__")  # not wrapped in dynamo's disable
+
+
+def test_a_reduce_scatter_then_all_gather_counts_as_one_all_reduce():
+    events = [{"op": "reduce_scatter", "bytes": 64}, {"op": "all_gather", "bytes": 16}, {"op": "all_gather", "bytes": 8},
+              {"op": "all_reduce", "bytes": 4}]
+    assert tp.summarize(tp.as_all_reduces(events)) == {"all_reduce": [64, 4], "all_gather": [8]}
+
+
+def test_link_figures_keep_directions_and_bits_apart():
+    assert tp.NVLINK4_PER_DIRECTION_BYTES_PER_S == 450e9
+    assert tp.gigabits_to_bytes_per_s(tp.INFINIBAND_NDR_GBIT_PER_S) == 50e9
+    traffic = tp.ring_bytes_per_gpu_per_layer(4096, 8192, 8, 2)
+    assert traffic == 448 * 2**20  # the source notes' example: 4 all-reduces of 64 MiB, 7/4 of each sent
+    assert tp.layer_communication_time_s(4096, 8192, 8, 50e9) == pytest.approx(traffic / 50e9)

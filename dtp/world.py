@@ -8,6 +8,7 @@ when `run_world` returns or raises (also on Ctrl-C or its own timeout) no rank p
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import multiprocessing.connection
 import os
@@ -50,11 +51,11 @@ _FAILURE_PRIORITY = {"raised": 0, "exited": 1, "collective_timeout": 2, "timeout
 _GRACE_AFTER_FAILURE_S = 1.0
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Have Linux SIGKILL this process when its parent dies, even by SIGKILL, so that a killed
-    grader or kernel leaves no rank or sandbox running. Elsewhere, a no-op."""
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Have Linux send `sig` (SIGKILL by default) to this process when its parent dies, even by
+    SIGKILL, so that a killed grader or kernel leaves no rank or sandbox running. Elsewhere, a no-op."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):
         return
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
@@ -121,7 +122,14 @@ def run_world(fn, world_size: int, args: tuple = (), *, timeout_s: float = 60.0,
 
     `collective_timeout_s` bounds each collective (the process-group timeout); `timeout_s` bounds
     the whole world. Raises `WorldError` if any rank fails; all rank processes are gone on return.
+
+    Under a launcher such as `torchrun --nproc-per-node N` (its RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in the environment), nothing is forked: this process is one rank of the
+    launcher's world, joins it through env:// and runs `fn` for its rank, and every process gets
+    every rank's result. So a program built on `run_world` runs unchanged on one machine or many.
     """
+    if launched_by_torchrun():
+        return _run_as_launched_rank(fn, world_size, args, collective_timeout_s)
     if not 1 <= world_size <= 64:
         raise ValueError(f"world_size must be between 1 and 64, got {world_size}")
     if dist.is_initialized():
@@ -136,6 +144,42 @@ def run_world(fn, world_size: int, args: tuple = (), *, timeout_s: float = 60.0,
             if "address already in use" in str(err).lower() and attempt < 2:
                 continue
             raise
+
+
+def launched_by_torchrun() -> bool:
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+_launched_results_group = None  # a gloo group of the launcher's world, to gather results on any backend
+
+
+def _join_launched_world(collective_timeout_s: float) -> None:
+    """Join the launcher's world once per process: gloo for CPU tensors, and NCCL for CUDA
+    tensors when this machine has GPUs (torch's multi-backend process group)."""
+    global _launched_results_group
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=collective_timeout_s))
+    _launched_results_group = dist.new_group(backend="gloo")
+    atexit.register(dist.destroy_process_group)
+
+
+def _run_as_launched_rank(fn, world_size: int, args: tuple, collective_timeout_s: float) -> list:
+    launched = int(os.environ["WORLD_SIZE"])
+    if launched != world_size:
+        raise ValueError(f"this program runs a world of {world_size} processes but the launcher started {launched}: "
+                         f"use torchrun --nproc-per-node {world_size} (or --nnodes and --nproc-per-node with "
+                         f"product {world_size})")
+    _join_launched_world(collective_timeout_s)
+    result = fn(dist.get_rank(), world_size, *args)
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, result, group=_launched_results_group)
+    return gathered
 
 
 def _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s):

@@ -30,9 +30,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from dtp.world import die_with_parent
+
 from . import transport
 
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_CAPBSET_DROP = 1, 4, 24
+_PR_SET_DUMPABLE, _PR_CAPBSET_DROP = 4, 24
 _PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER = 38, 36
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
@@ -52,13 +54,6 @@ def _prctl(option: int, value: int) -> bool:
         return _LIBC.prctl(option, value, 0, 0, 0) == 0
     except AttributeError:  # not Linux
         return False
-
-
-def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
-    """Have Linux send `sig` to this process when its parent dies, even by SIGKILL."""
-    _prctl(_PR_SET_PDEATHSIG, sig)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def make_undumpable() -> None:

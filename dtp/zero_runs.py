@@ -1,0 +1,122 @@
+"""The chapter's training runs: one rank of plain data parallelism or of a ZeRO wrapper, trained
+on its rows of each batch with everything it holds, sends and gathers recorded per step
+(`train_zero_rank`), and the single-process run it must equal (`single_process_adam`). The
+exercises' checks, the book and the tests all run these."""
+from __future__ import annotations
+
+import torch
+# dtp.traffic's CommunicationLog enters a dispatch mode whose first use imports torch._dynamo (1 to 2 s):
+# imported here, once, before the ranks fork, rather than in every rank of every world.
+import torch._dynamo  # noqa: F401
+import torch.distributed as dist
+from torch import nn
+
+from .models import regression_batch, state_as_numpy, tiny_mlp
+from .zero_measure import FullTensorTracker, ReleasingCommunicationLog, clear_gradients, held_bytes, optimizers_in
+
+ADAM = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-4}  # eps ≫ float32 rounding of a gradient near zero
+STEPS, ROWS_PER_RANK = 3, 4
+
+
+def batches(sizes, batch_seed: int, world_size: int, steps: int = STEPS):
+    """The global batches of a run: ROWS_PER_RANK rows per rank, regression targets."""
+    return [regression_batch(ROWS_PER_RANK * world_size, sizes[0], sizes[-1], batch_seed + step) for step in range(steps)]
+
+
+def rank_rows(rank: int) -> slice:
+    return slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+
+
+def _average_gradients(parameters) -> None:
+    """Plain data parallelism's step: all-reduce every gradient and divide by the world size."""
+    for parameter in parameters:
+        dist.all_reduce(parameter.grad)
+        parameter.grad /= dist.get_world_size()
+
+
+def train_zero_rank(rank, world_size, stage, make, sizes, seed, batch_seed, steps: int = STEPS) -> dict:
+    """One rank of a run of `tiny_mlp(sizes, seed)` on its rows of each batch, recording per step
+    the loss, the weights after the step, the collectives (`events`), the bytes held after
+    backward (`held`), the full gradients alive after backward and their peak during it, the full
+    weights alive (peaks in forward and backward, what is left after backward and after the
+    step), and once the summed |exp_avg| of Adam after the first step.
+
+    stage 0: plain data parallelism (torch Adam, gradients all-reduced); stages 1 and 2:
+    `make(model, lr=..., betas=..., eps=...)` returns a wrapper whose step() is called after
+    backward; stage 3: `make(model)` returns a module whose parameters torch Adam steps."""
+    model = tiny_mlp(sizes, seed)
+    parameters = list(model.parameters())
+    if stage == 3:
+        module = make(model)
+        del model, parameters  # from here on, only the wrapper holds the weights
+        optimizer = torch.optim.Adam(module.parameters(), **ADAM)
+        forward, watched, roots = module, [], {"zero": module, "optimizer": optimizer}
+        weights, step_function = list(module.parameters()), optimizer.step
+    elif stage == 0:
+        optimizer = torch.optim.Adam(parameters, **ADAM)
+        forward, watched, roots = model, parameters, {"model": model, "optimizer": optimizer}
+        weights = parameters
+
+        def step_function():
+            _average_gradients(parameters)
+            optimizer.step()
+    else:
+        wrapper = make(model, **ADAM)
+        forward, watched, roots = model, parameters, {"model": model, "zero": wrapper}
+        weights, step_function = parameters, wrapper.step
+    tracker = FullTensorTracker(watched)
+    outcome = {"losses": [], "states": [], "events": [], "held": [], "full grads after backward": [],
+               "grad peak": [], "full weights": [], "exp_avg": None}
+    for step, (inputs, targets) in enumerate(batches(sizes, batch_seed, world_size, steps)):
+        tracker.peaks.clear()
+        tracker.grad_peaks.clear()
+        with ReleasingCommunicationLog() as log, tracker:
+            log.mark("forward")
+            tracker.phase = "forward"
+            loss = nn.functional.mse_loss(forward(inputs[rank_rows(rank)]), targets[rank_rows(rank)])
+            log.mark("backward")
+            tracker.phase = "backward"
+            loss.backward()
+            log.mark("step")
+            tracker.phase = "after backward"
+            outcome["full grads after backward"].append(tracker.grad_bytes_alive())
+            after_backward = tracker.full_bytes_alive()
+            outcome["held"].append(held_bytes(weights, **roots))
+            tracker.phase = "step"
+            step_function()
+            log.mark("end")
+            tracker.phase = "after step"
+            tracker.sample()
+        outcome["full weights"].append({"forward": tracker.peaks.get("forward", 0),
+                                        "backward": tracker.peaks.get("backward", 0),
+                                        "after backward": after_backward, "after step": tracker.full_bytes_alive()})
+        outcome["grad peak"].append(tracker.grad_peaks.get("backward", 0))
+        outcome["losses"].append(float(loss.detach()))
+        outcome["events"].append([{key: e[key] for key in ("op", "bytes", "label") if key in e} for e in log.events])
+        if step == 0:  # Adam's first momentum is (1 - beta1)·(the gradient it stepped with)
+            moments = [state["exp_avg"] for o in optimizers_in(**roots) for state in o.state.values()
+                       if "exp_avg" in state]
+            outcome["exp_avg"] = float(sum(m.abs().sum() for m in moments)) if moments else None
+        outcome["states"].append([p.detach().clone().numpy() for p in weights] if stage == 3 else state_as_numpy(forward))
+        clear_gradients(watched, **roots)  # as a training loop's zero_grad, the pieces' gradients too
+    return outcome
+
+
+def single_process_adam(sizes, seed: int, global_batches, world_size: int) -> dict:
+    """What plain data-parallel Adam computes: one process, Adam, the whole batch. The state
+    after each step, each rank's loss on its rows before the step, and the summed |gradient| of
+    the first step."""
+    model = tiny_mlp(sizes, seed)
+    optimizer = torch.optim.Adam(model.parameters(), **ADAM)
+    states, losses, first_gradient = [], [], None
+    for inputs, targets in global_batches:
+        with torch.no_grad():
+            losses.append([float(nn.functional.mse_loss(model(inputs[rank_rows(r)]), targets[rank_rows(r)]))
+                           for r in range(world_size)])
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        if first_gradient is None:
+            first_gradient = float(sum(p.grad.abs().sum() for p in model.parameters()))
+        optimizer.step()
+        states.append(state_as_numpy(model))
+    return {"states": states, "losses": losses, "first gradient": first_gradient}

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from .notebook import UnusableInput
@@ -43,8 +47,35 @@ def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def _private_torch_caches():
+    """Parts of torch (its compiler stack, which some chapters' libraries load) create cache
+    folders in the temporary folder as they are imported. Give them one of the grader's own,
+    removed when grading ends, so that nothing is left in the user's temporary folder."""
+    folder = tempfile.mkdtemp(prefix=f"dtp-grader-{os.getpid()}-")
+    saved = {name: os.environ.get(name) for name in _TORCH_CACHE_VARIABLES}
+    os.environ.update({name: os.path.join(folder, name.lower()) for name in _TORCH_CACHE_VARIABLES})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_TORCH_CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    with _private_torch_caches():
+        return _grade(args)
+
+
+def _grade(args) -> int:
     # SIGTERM unwinds like Ctrl-C, so the sandboxes' cleanup runs and no process is left behind.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     # Learner code runs as this user: it must not reach this process's stdout or memory through /proc.

@@ -17,7 +17,8 @@ import sys
 import types
 from pathlib import Path
 
-SOLUTIONS_DIR = str(Path(__file__).resolve().parent.parent / "solutions")
+REPO = Path(__file__).resolve().parent.parent
+SOLUTIONS_DIR = str(REPO / "solutions")
 
 tripped: list[str] = []  # what the learner's code reached for, in order
 
@@ -56,17 +57,30 @@ def _tripwire(dotted: str):
     return namespace["tripwire"]
 
 
+def _course_source(target) -> str | None:
+    """The course's own file that defines `target` (through decorators), or None for library code:
+    re-reading the course's source could rebuild a guarded function, re-reading torch's cannot."""
+    try:
+        path = inspect.getsourcefile(inspect.unwrap(target))
+    except TypeError:
+        return None
+    if path and os.path.realpath(path).startswith(str(REPO) + os.sep) and ".venv" not in path:
+        return path
+    return None
+
+
 def _guard_callable(dotted: str) -> str | None:
-    """Make `dotted` trip when called; returns the source file to protect, if any."""
+    """Make `dotted` trip when called; returns the course source file to protect, if any."""
     owner, name, target = _resolve(dotted)
+    source = _course_source(target)
     if isinstance(target, type):  # a class: constructing it trips
         setattr(target, "__init__", _tripwire(dotted))
-        return inspect.getsourcefile(target)
+        return source
     wire = _tripwire(dotted)
     if isinstance(target, types.FunctionType) and not target.__code__.co_freevars:
         target.__code__ = wire.__code__  # every alias of this function object now trips
     setattr(owner, name, wire)
-    return inspect.getsourcefile(target) if isinstance(target, types.FunctionType) else None
+    return source
 
 
 def install(references: tuple[str, ...]) -> None:
@@ -74,7 +88,7 @@ def install(references: tuple[str, ...]) -> None:
     protected = set()
     for dotted in references:
         path = _guard_callable(dotted)
-        if path and "site-packages" not in path:
+        if path:
             protected.add(os.path.realpath(path))
             protected.add(os.path.realpath(importlib.util.cache_from_source(path)))
 

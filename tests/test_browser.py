@@ -159,3 +159,51 @@ def test_search_works_offline(browser, static_server):
         assert visit.page.locator(".search li").count() > 0
     finally:
         visit.close()
+
+
+def _memory_page() -> Path:
+    return HTML / "book" / "memory.html"
+
+
+def test_the_static_memory_calculator_agrees_with_the_course_library(browser):
+    """Random models and layouts typed into the page's calculator: every number it shows equals
+    dtp.calculator's, to the byte."""
+    import numpy as np
+
+    from dtp import memory
+    from dtp.calculator import Layout, memory_per_gpu
+    from dtp.gpt import GPTConfig
+
+    visit = PageVisit(browser, _memory_page().as_uri(), "file://")
+    page, rng = visit.page, np.random.default_rng(2026)
+    try:
+        calculator = page.locator(".course-memory-calculator")
+        assert calculator.count() == 1, "the memory page has no static calculator"
+        for _ in range(12):
+            heads = int(rng.choice([8, 16, 32, 64, 96]))
+            values = dict(layers=int(rng.integers(2, 120)), hidden=heads * int(rng.choice([64, 128])), heads=heads,
+                          seq=int(rng.choice([512, 1024, 2048, 4096, 8192])), vocab=int(rng.integers(1000, 256000)),
+                          micro_batch=int(rng.integers(1, 9)), tp=int(rng.choice([1, 2, 4, 8])),
+                          pp=int(rng.choice([1, 2, 4, 8])), dp=int(rng.choice([1, 2, 8, 64, 1024])))
+            recipe, stage = str(rng.choice(list(memory.RECIPES))), int(rng.integers(0, 4))
+            recompute, sp = str(rng.choice(list(memory.RECOMPUTE))), bool(rng.integers(0, 2))
+            for name, value in values.items():
+                calculator.locator(f"input[name={name}]").fill(str(value))
+            calculator.locator("select[name=recipe]").select_option(recipe)
+            calculator.locator("select[name=zero]").select_option(str(stage))
+            calculator.locator("select[name=recompute]").select_option(recompute)
+            calculator.locator("input[name=sp]").set_checked(sp)
+            config = GPTConfig(vocab_size=values["vocab"], n_positions=values["seq"], n_layers=values["layers"],
+                               hidden=values["hidden"], n_heads=heads)
+            layout = Layout(values["tp"], values["pp"], values["dp"], stage, sp, recompute, values["micro_batch"])
+            shown = float(calculator.locator("[data-output=parameters]").get_attribute("data-value"))
+            assert shown == memory.gpt_parameter_count(config)
+            for pipeline_stage in ("first", "last"):
+                expected = memory_per_gpu(config, recipe, layout, pipeline_stage)
+                for component, value in {**expected, "total": sum(expected.values())}.items():
+                    cell = calculator.locator(f'[data-stage={pipeline_stage}][data-component="{component}"]')
+                    assert float(cell.get_attribute("data-bytes")) == pytest.approx(value, rel=1e-12, abs=1e-6), \
+                        (component, pipeline_stage, values, recipe, stage, recompute, sp)
+        assert visit.console_errors == [] and visit.outside_requests == []
+    finally:
+        visit.close()

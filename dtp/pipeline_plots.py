@@ -1,0 +1,132 @@
+"""Figures of pipeline schedules: Gantt charts, activations held over time, measured bubbles.
+
+Every figure is drawn from `dtp.pipeline` timelines (or from timelines measured on real
+processes), so the book, the notebook's explorer and the checks show the same schedules.
+matplotlib is imported when a figure is drawn, not with this module: the notebook imports this
+module, and the grader runs the notebook's imports once per exercise.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import pipeline
+
+
+def _pyplot():
+    import matplotlib.pyplot as plt
+
+    return plt
+
+KIND_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+KIND_LABELS = {"F": "F: forward", "B": "B: backward (input gradient when W is split off)",
+               "W": "W: weight gradient"}
+
+
+def timeline_rows(timeline: pipeline.Timeline) -> list[list[tuple]]:
+    """Per stage, (kind, micro-batch, chunk, start, end) of every op."""
+    return [[(op[0], op[1], op[2], start, end) for op, start, end in zip(ops, starts, ends)]
+            for ops, starts, ends in zip(timeline.schedule, timeline.start, timeline.end)]
+
+
+def draw_gantt(axis, rows: list[list[tuple]], *, label_ops: bool = True) -> None:
+    """One row of bars per stage (stage 0 on top): colour by kind, the micro-batch's number in
+    the bar, later chunks of an interleaved schedule hatched."""
+    for stage, ops in enumerate(rows):
+        for kind, micro_batch, chunk, start, end in ops:
+            axis.barh(stage, end - start, left=start, height=0.8, color=KIND_COLOURS[kind], edgecolor="white",
+                      linewidth=0.6, hatch="//" if chunk % 2 else None)
+            if label_ops and end - start > 0:
+                axis.text((start + end) / 2, stage, str(micro_batch), ha="center", va="center", fontsize=7,
+                          color="white")
+    axis.set_yticks(range(len(rows)), [f"stage {s}" for s in range(len(rows))])
+    axis.set_ylim(len(rows) - 0.5, -0.5)
+    axis.grid(True, axis="x", alpha=0.3)
+
+
+def _legend(figure, kinds: set, interleaved: bool) -> None:
+    plt = _pyplot()
+    handles = [plt.Rectangle((0, 0), 1, 1, color=KIND_COLOURS[k]) for k in "FBW" if k in kinds]
+    labels = [KIND_LABELS[k] for k in "FBW" if k in kinds]
+    if interleaved:
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="gray", hatch="//"))
+        labels.append("odd-numbered chunk (interleaved)")
+    figure.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False, fontsize=8)
+
+
+def gantt_figure(timelines: dict, time_unit: str = "time (units of one forward pass, t_F = 1)"):
+    """Gantt charts of several timelines (label -> Timeline) on one shared time axis, each titled
+    with its bubble fraction and its stages' peak activations."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(len(timelines), 1, figsize=(10, 1.0 + 0.42 * sum(
+        len(t.schedule) for t in timelines.values()) + 0.5 * len(timelines)), sharex=True, squeeze=False)
+    kinds, interleaved = set(), False
+    for axis, (label, timeline) in zip(axes[:, 0], timelines.items()):
+        draw_gantt(axis, timeline_rows(timeline), label_ops=max(len(ops) for ops in timeline.schedule) <= 48)
+        axis.set_title(f"{label}: bubble {timeline.bubble_fraction:.1%} of the step, peak activations per stage "
+                       f"{timeline.peak_in_flight}", fontsize=9, loc="left")
+        kinds |= {op[0] for ops in timeline.schedule for op in ops}
+        interleaved |= pipeline.chunk_count(timeline.schedule) > 1
+    axes[-1, 0].set_xlabel(time_unit)
+    _legend(figure, kinds, interleaved)
+    figure.tight_layout(rect=(0, 0.06, 1, 1))
+    plt.close(figure)  # glue and display show it; keep it out of the cell's own output
+    return figure
+
+
+def in_flight_figure(timelines: dict, time_unit: str = "time (units of one forward pass, t_F = 1)"):
+    """Activation sets each stage holds over time, one panel per timeline (label -> Timeline)."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(1, len(timelines), figsize=(3.4 * len(timelines), 3.2), sharey=True, squeeze=False)
+    for axis, (label, timeline) in zip(axes[0], timelines.items()):
+        p = len(timeline.schedule)
+        colours = plt.cm.viridis(np.linspace(0, 0.9, p))
+        for stage in range(p):
+            times, counts = pipeline.in_flight_over_time(timeline, stage)
+            axis.step(times + [timeline.makespan], counts + [counts[-1]], where="post", color=colours[stage],
+                      label=f"stage {stage}")
+        axis.set_title(label, fontsize=9)
+        axis.set_xlabel(time_unit if len(timelines) == 1 else "time (t_F = 1)")
+        axis.grid(True, alpha=0.3)
+    axes[0, 0].set_ylabel("micro-batch activation sets held\n(chunk sets when interleaved)")
+    axes[0, -1].legend(fontsize=7)
+    figure.tight_layout()
+    plt.close(figure)
+    return figure
+
+
+def measured_bubble_figure(p: int, micro_batches: list, measured: list, tolerance: float = 0.03):
+    """Measured bubble of a real pipeline against (p-1)/(m+p-1), with the checks' tolerance band."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(6.5, 3.8))
+    dense = np.arange(1, max(micro_batches) + 1)
+    formula = np.array([pipeline.bubble_fraction(p, m) for m in dense])
+    axis.plot(dense, 100 * formula, color="gray", label="(p-1)/(m+p-1)")
+    axis.fill_between(dense, 100 * (formula - tolerance), 100 * (formula + tolerance), color="gray", alpha=0.15,
+                      label=f"± {100 * tolerance:g} points (the check's tolerance)")
+    axis.plot(micro_batches, [100 * b for b in measured], "o", color="#c44e52", label="measured on gloo")
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(micro_batches, [str(m) for m in micro_batches])
+    axis.set_xlabel("micro-batches per step, m")
+    axis.set_ylabel("bubble (% of p × step time)")
+    axis.set_title(f"1F1B on {p} processes, compute replaced by sleeps", fontsize=10)
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    plt.close(figure)
+    return figure
+
+
+def measured_gantt_figure(logs: list, title: str):
+    """Gantt chart of a measured run: logs[s] lists (kind, micro-batch, start, end) in seconds."""
+    plt = _pyplot()
+    origin = min(start for log in logs for _, _, start, _ in log)
+    rows = [[(kind, mb, 0, 1e3 * (start - origin), 1e3 * (end - origin)) for kind, mb, start, end in log]
+            for log in logs]
+    figure, axis = plt.subplots(figsize=(10, 0.6 + 0.45 * len(logs)))
+    draw_gantt(axis, rows)
+    axis.set_xlabel("wall-clock time since the first op started (ms)")
+    axis.set_title(title, fontsize=9, loc="left")
+    _legend(figure, {kind for log in logs for kind, *_ in log}, False)
+    figure.tight_layout(rect=(0, 0.12, 1, 1))
+    plt.close(figure)
+    return figure

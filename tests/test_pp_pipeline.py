@@ -1,0 +1,169 @@
+"""dtp.pipeline, the one source of the chapter's schedules, timelines and closed forms: the
+generators against their defining properties, the simulator against the grader's independent
+event simulation, every closed form the book prints against simulated steps, and the real
+pipeline's messages against the count the book states."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import solution_path
+from dtp import pipeline
+from dtp.traffic import CommunicationLog
+from dtp.world import run_world
+from grader.checks.pp import event_simulation, random_valid_schedule
+from grader.student import StudentCode
+
+
+def random_case(rng, name):
+    p = int(rng.integers(1, 9)) if name != "ZB-H1" else int(rng.integers(2, 9))
+    v = int(rng.integers(2, 5)) if name == "interleaved 1F1B" else 1
+    m = p * int(rng.integers(1, 5)) if v > 1 else int(rng.integers(1, 25))
+    if name == "ZB-H1":  # the closed form's conditions: m >= p, t_W <= min(t_F, t_B)
+        m = max(m, p)
+        t_w = float(rng.uniform(0.1, 1.0))
+        times = {"F": float(rng.uniform(t_w, 3)), "B": float(rng.uniform(t_w, 3)), "W": t_w}
+    else:
+        times = {kind: float(rng.uniform(0.1, 3)) for kind in "FBW"}
+    return p, m, v, times
+
+
+@pytest.mark.parametrize("name", list(pipeline.SCHEDULES))
+def test_closed_forms_match_simulated_steps(name):
+    rng = np.random.default_rng(4)
+    for _ in range(150):
+        p, m, v, times = random_case(rng, name)
+        timeline = pipeline.simulate(pipeline.make_schedule(name, p, m, v), times)
+        assert timeline.makespan == pytest.approx(pipeline.makespan(name, p, m, times, v), rel=1e-12)
+        assert timeline.peak_in_flight == [pipeline.peak_in_flight(name, p, m, s, v) for s in range(p)]
+        if name != "ZB-H1":
+            assert timeline.bubble_fraction == pytest.approx(pipeline.bubble_fraction(p, m, v), rel=1e-12, abs=1e-15)
+            assert timeline.bubble_over_ideal == pytest.approx(pipeline.bubble_over_ideal(p, m, v), rel=1e-12, abs=1e-15)
+
+
+def test_zb_h1_has_a_third_of_the_1f1b_bubble_with_equal_op_times():
+    for p, m in ((4, 8), (8, 64), (3, 3)):
+        one_f_one_b = pipeline.simulate(pipeline.one_f_one_b_schedule(p, m), pipeline.UNIT_TIMES)
+        zero_bubble = pipeline.simulate(pipeline.zb_h1_schedule(p, m), pipeline.UNIT_TIMES)
+        idle = [p * t.makespan - 3 * m * p for t in (one_f_one_b, zero_bubble)]
+        assert idle[1] * 3 == pytest.approx(idle[0])
+        assert max(zero_bubble.peak_in_flight) == max(one_f_one_b.peak_in_flight) == min(p, m)
+
+
+def test_zb_h1_closed_form_states_its_conditions():
+    with pytest.raises(ValueError, match="m >= p"):
+        pipeline.makespan("ZB-H1", 4, 3, pipeline.UNIT_TIMES)
+    slow_weights = {"F": 1.0, "B": 1.0, "W": 2.0}  # t_W > t_F: the W cannot hide in the cool-down any more
+    simulated = pipeline.simulate(pipeline.zb_h1_schedule(4, 8), slow_weights).makespan
+    assert simulated > 8 * 4 + 3 * (1 + 1 - 2)
+    with pytest.raises(ValueError):
+        pipeline.makespan("ZB-H1", 4, 8, slow_weights)
+
+
+def test_gpipe_and_1f1b_take_the_least_time_any_schedule_can():
+    """The last stage cannot start before (p-1)·t_F, has m(t_F+t_B) of work, and the last
+    backward still has p-1 stages to cross: (m+p-1)(t_F+t_B) is a lower bound, met by both."""
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        p, m = int(rng.integers(2, 7)), int(rng.integers(1, 9))
+        times = {"F": float(rng.uniform(0.1, 2)), "B": float(rng.uniform(0.1, 2)), "W": 0.0}
+        bound = (p - 1) * times["F"] + m * (times["F"] + times["B"]) + (p - 1) * times["B"]
+        orders = [random_valid_schedule(rng, p, m, 1, False) for _ in range(3)]
+        assert all(pipeline.simulate(order, times).makespan >= bound - 1e-9 for order in orders)
+        for name in ("GPipe", "1F1B"):
+            assert pipeline.simulate(pipeline.make_schedule(name, p, m), times).makespan == pytest.approx(bound)
+
+
+def test_dtp_simulator_and_the_graders_event_simulation_agree_exactly():
+    rng = np.random.default_rng(6)
+    for _ in range(300):
+        p, m, v, split = int(rng.integers(1, 6)), int(rng.integers(1, 7)), int(rng.integers(1, 3)), bool(rng.integers(2))
+        schedule = random_valid_schedule(rng, p, m, v, split)
+        times, p2p = {k: float(rng.uniform(0.1, 2)) for k in "FBW"}, float(rng.choice([0.0, rng.uniform(0, 0.5)]))
+        ours, theirs = pipeline.simulate(schedule, times, p2p), event_simulation(schedule, times, p2p)
+        assert ours.start == theirs["start"] and ours.end == theirs["end"]
+        assert ours.peak_in_flight == theirs["peak_in_flight"]
+        assert ours.bubble_fraction == pytest.approx(theirs["bubble_fraction"], abs=1e-12)
+
+
+def test_p2p_time_delays_gpipe_by_one_message_per_boundary_each_way():
+    for p, m, c in ((4, 8, 0.1), (2, 5, 0.2), (8, 16, 0.05)):
+        timeline = pipeline.simulate(pipeline.gpipe_schedule(p, m), pipeline.UNIT_TIMES, c)
+        assert timeline.makespan == pytest.approx((m + p - 1) * 3 + 2 * (p - 1) * c)
+        one_f_one_b = pipeline.simulate(pipeline.one_f_one_b_schedule(p, m), pipeline.UNIT_TIMES, c)
+        assert one_f_one_b.makespan > timeline.makespan  # the book: 1F1B's steady state waits on round trips
+
+
+def test_a_deadlocking_order_is_an_error():
+    schedule = [[pipeline.Op("F", 0), pipeline.Op("B", 0), pipeline.Op("F", 1), pipeline.Op("B", 1)],
+                pipeline.gpipe_schedule(2, 2)[1]]
+    with pytest.raises(ValueError, match="deadlocks"):
+        pipeline.simulate(schedule, pipeline.UNIT_TIMES)
+    with pytest.raises(ValueError, match="multiple of p"):
+        pipeline.interleaved_schedule(4, 6, 2)
+
+
+@pytest.mark.parametrize("name", list(pipeline.SCHEDULES))
+def test_activations_over_time_peak_where_the_order_says(name):
+    timeline = pipeline.simulate_named(name, 4, 8, 2)
+    for stage in range(4):
+        times, counts = pipeline.in_flight_over_time(timeline, stage)
+        assert max(counts) == timeline.peak_in_flight[stage] and counts[-1] == 0
+        assert times == sorted(times)
+
+
+def test_timeline_json_is_what_the_simulator_computes():
+    data = json.loads(pipeline.timeline_json("interleaved 1F1B", 4, 8, 2, p2p_time=0.25))
+    timeline = pipeline.simulate_named("interleaved 1F1B", 4, 8, 2, p2p_time=0.25)
+    assert data["makespan"] == timeline.makespan and data["peak_in_flight"] == timeline.peak_in_flight
+    assert len(data["ops"]) == sum(len(ops) for ops in timeline.schedule) == 4 * 8 * 2 * 2
+    first = data["ops"][0]
+    assert set(first) == {"stage", "kind", "micro_batch", "chunk", "start", "end"}
+    assert first["end"] - first["start"] == pytest.approx(0.5)  # a chunk's forward: t_F / v
+    assert data["bubble_fraction"] == timeline.bubble_fraction
+
+
+def test_idle_fraction_of_hand_made_intervals():
+    # two stages over [0, 10]: busy 6 and 8, idle 6 of 20
+    assert pipeline.idle_fraction([[(0, 3), (5, 8)], [(2, 10)]]) == pytest.approx(0.3)
+
+
+@pytest.fixture(scope="module")
+def course():
+    return StudentCode.from_notebook(str(solution_path("pp")))
+
+
+def _messages(rank, world_size, step, m):
+    stage = pipeline.pipeline_stages(world_size, 0)[rank]
+    batch, targets = torch.randn(2 * m, 6), torch.randn(2 * m, 3)
+    with CommunicationLog() as log:
+        step(stage, batch, targets, m, (2, 8))
+    return [(event["peer"], event["bytes"]) for event in log.of("send")]
+
+
+@pytest.mark.parametrize("p, m", [(2, 5), (4, 3)])
+def test_each_micro_batch_crosses_each_boundary_once_each_way(course, p, m):
+    sent = run_world(_messages, p, (course.one_f_one_b_step, m))
+    assert sum(len(messages) for messages in sent) == pipeline.boundary_messages_per_step(p, m)
+    for rank, messages in enumerate(sent):
+        neighbours = [rank - 1] * (rank > 0) + [rank + 1] * (rank < p - 1)
+        assert sorted(messages) == sorted((peer, 2 * 8 * 4) for peer in neighbours for _ in range(m))
+
+
+def test_boundary_bytes_of_the_interview_question():
+    assert pipeline.boundary_bytes_per_step(64, 1, 4096, 8192, 2) == 8 * 2**30
+
+
+def test_megatrons_longer_interleaved_warm_up_pays_only_when_messages_take_time():
+    """The book: with (p-s-1) instead of 2(p-s-1) warm-up forwards the step is as short when
+    messages are free, longer when they are not, and the stages hold no more chunk activations."""
+    rng = np.random.default_rng(7)
+    for p, m, v in ((4, 8, 2), (2, 4, 3), (3, 6, 2), (4, 4, 4)):
+        times = {"F": float(rng.uniform(0.5, 2)), "B": float(rng.uniform(0.5, 2)), "W": 0.0}
+        short, megatron = (pipeline.interleaved_schedule(p, m, v, warm_up_factor=f) for f in (1, 2))
+        free = [pipeline.simulate(s, times).makespan for s in (short, megatron)]
+        assert free[0] == pytest.approx(free[1]) == pytest.approx(pipeline.makespan("interleaved 1F1B", p, m, times, v))
+        chatty = [pipeline.simulate(s, times, 0.1).makespan for s in (short, megatron)]
+        assert chatty[0] > chatty[1]
+        assert max(pipeline.simulate(short, times).peak_in_flight) <= max(pipeline.simulate(megatron, times).peak_in_flight)

@@ -67,6 +67,13 @@ class _FunctionalCollectives(TorchDispatchMode):
         super().__init__()
         self.log = log
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing here is compiled. Left to its default, torch wraps __torch_dispatch__ so as to
+        # skip its compiler, and the wrapper imports torch._dynamo on first use: over a second in
+        # every process, every forked rank included.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in _FUNCTIONAL_NAMESPACES:
             name = func.__name__.split(".")[0]

@@ -23,12 +23,6 @@ from ..compare import CheckFailed, expect, expect_answer, expect_close
 from ..registry import Check, exercise
 from .common import completed_worlds, describe_call, events_as_data, raise_world_failure, run_worlds
 
-# The first CommunicationLog imports torch._dynamo (for its dispatch mode). Done here, in the
-# grader, it comes with the fork that every sandbox and rank is, instead of costing each rank of
-# each world its own import (seconds per world on two cores).
-with CommunicationLog():
-    torch.ones(1).add(1)
-
 KINDS = ("F", "B", "W")
 
 

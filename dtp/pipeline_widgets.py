@@ -44,3 +44,28 @@ def schedule_explorer() -> widgets.VBox:
     redraw()
     return widgets.VBox([widgets.HBox(list(controls.values())[:2]), widgets.HBox(list(controls.values())[2:]),
                          summary, output])
+
+
+def static_explorer_html(static_path: str = "../_static") -> str:
+    """The book's explorer, for readers without a kernel: a form, an SVG Gantt chart and the
+    script (book/_static/calculators/pipeline.js) that mirrors this library in the browser."""
+    import json
+
+    options = "".join(f'<option value="{name}"{" selected" if name == "1F1B" else ""}>{name}</option>'
+                      for name in pipeline.SCHEDULES)
+    return f"""
+<div class="course-pipeline-explorer">
+<script>window.COURSE_PIPELINE_UNIT_TIMES = {json.dumps(pipeline.UNIT_TIMES)};</script>
+<form onsubmit="return false">
+<label>schedule <select name="schedule">{options}</select></label>
+<label>stages p <input type="number" name="p" value="4" min="1" max="16"></label>
+<label>micro-batches m <input type="number" name="m" value="8" min="1" max="64"></label>
+<label>chunks v <input type="number" name="v" value="2" min="1" max="8"></label>
+<label>message time <input type="number" name="p2p" value="0" min="0" max="2" step="0.05"></label>
+</form>
+<p data-output="summary"></p>
+<svg role="img" aria-label="Gantt chart of the chosen pipeline schedule: one row per stage, forwards in blue,
+backwards in orange, weight gradients in green, numbered by micro-batch" width="100%"></svg>
+<script src="{static_path}/calculators/pipeline.js"></script>
+</div>
+"""

@@ -207,3 +207,41 @@ def test_the_static_memory_calculator_agrees_with_the_course_library(browser):
         assert visit.console_errors == [] and visit.outside_requests == []
     finally:
         visit.close()
+
+
+def test_the_static_pipeline_explorer_agrees_with_the_course_library(browser):
+    """Random schedules, sizes and message times in the page's explorer: every op's start and
+    end, the makespan, both bubbles and the peaks equal dtp.pipeline's."""
+    import json
+
+    import numpy as np
+
+    from dtp import pipeline
+
+    visit = PageVisit(browser, (HTML / "book" / "pipeline_parallel.html").as_uri(), "file://")
+    page, rng = visit.page, np.random.default_rng(1130)
+    try:
+        explorer = page.locator(".course-pipeline-explorer")
+        assert explorer.count() == 1, "the pipeline page has no static explorer"
+        for _ in range(12):
+            name = str(rng.choice(list(pipeline.SCHEDULES)))
+            p = int(rng.integers(1, 9))
+            m = p * int(rng.integers(1, 4)) if name == "interleaved 1F1B" else int(rng.integers(1, 17))
+            v, message = int(rng.integers(1, 5)), float(rng.choice([0.0, 0.05, 0.3]))
+            explorer.locator("select[name=schedule]").select_option(name)
+            for field, value in (("p", p), ("m", m), ("v", v), ("p2p", message)):
+                explorer.locator(f"input[name={field}]").fill(str(value))
+            shown = json.loads(explorer.get_attribute("data-timeline"))
+            expected = json.loads(pipeline.timeline_json(name, p, m, v, p2p_time=message))
+            case = (name, p, m, v, message)
+            for key in ("makespan", "bubble_fraction", "bubble_over_ideal"):
+                assert shown[key] == pytest.approx(expected[key], rel=1e-12, abs=1e-12), (key, case)
+            assert shown["peak_in_flight"] == expected["peak_in_flight"], case
+            assert len(shown["ops"]) == len(expected["ops"]), case
+            for mine, theirs in zip(shown["ops"], expected["ops"]):
+                assert {k: mine[k] for k in ("stage", "kind", "micro_batch", "chunk")} == \
+                    {k: theirs[k] for k in ("stage", "kind", "micro_batch", "chunk")}, case
+                assert (mine["start"], mine["end"]) == pytest.approx((theirs["start"], theirs["end"]), abs=1e-9), case
+        assert visit.console_errors == [] and visit.outside_requests == []
+    finally:
+        visit.close()

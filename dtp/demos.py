@@ -62,7 +62,62 @@ def data_parallel(world_size: int) -> str:
             f"data-parallel SGD equals single-process training (largest difference {training:.1e})")
 
 
-DEMOS = {"dp": (4, data_parallel)}
+def _tensor_parallel_rank(rank, world_size, hidden=32, heads=4, batch=2, seq=8):
+    from .tensor_parallel import random_block
+
+    course = course_solutions("03_tensor_parallel.ipynb")
+    dense = random_block(hidden, heads, seed=0)  # the same dense block on every rank
+    split = course.TensorParallelBlock(dense)
+    x = torch.randn(batch, seq, hidden, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x_split = x.detach().clone().requires_grad_()
+    upstream = torch.randn(batch, seq, hidden, generator=torch.Generator().manual_seed(2))
+    (dense(x) * upstream).sum().backward()
+    output = split(x_split)
+    (output * upstream).sum().backward()
+    return float((output - dense(x)).abs().max()), float((x_split.grad - x.grad).abs().max())
+
+
+def tensor_parallel(world_size: int) -> str:
+    results = run_world(_tensor_parallel_rank, world_size)
+    return (f"{world_size} ranks: a transformer block split by heads and MLP columns/rows equals the dense block "
+            f"(output {max(r[0] for r in results):.1e}, input gradient {max(r[1] for r in results):.1e})")
+
+
+def pipeline_parallel(world_size: int, micro_batches: int = 8) -> str:
+    from .pipeline import bubble_fraction, idle_fraction, run_sleeping_pipeline
+
+    course = course_solutions("04_pipeline_parallel.ipynb")
+    logs = run_sleeping_pipeline(course.one_f_one_b_step, world_size, micro_batches, 0.02, 0.04)
+    measured = idle_fraction([[(start, end) for _, _, start, end in log] for log in logs])
+    return (f"{world_size} ranks: 1F1B with {micro_batches} micro-batches (stages sleeping instead of computing) idled "
+            f"{measured:.1%} of the step, against (p-1)/(m+p-1) = {bubble_fraction(world_size, micro_batches):.1%}")
+
+
+def _expert_parallel_rank(rank, world_size, local_experts=2, tokens=24, width=8, hidden=16):
+    from .moe import moe_layer_torch
+
+    course = course_solutions("05_expert_parallel.ipynb")
+    weights = np.random.default_rng(5)
+    experts = local_experts * world_size
+    router = weights.standard_normal((width, experts)).astype(np.float32)
+    w_in = weights.standard_normal((experts, width, hidden)).astype(np.float32)
+    w_out = weights.standard_normal((experts, hidden, width)).astype(np.float32)
+    x = np.random.default_rng(50 + rank).standard_normal((tokens, width)).astype(np.float32)
+    mine = slice(rank * local_experts, (rank + 1) * local_experts)
+    output = course.expert_parallel_moe(torch.from_numpy(x), torch.from_numpy(router), torch.from_numpy(w_in[mine]),
+                                        torch.from_numpy(w_out[mine]), 2, None, True)
+    single = moe_layer_torch(torch.from_numpy(x), torch.from_numpy(router), torch.from_numpy(w_in),
+                             torch.from_numpy(w_out), 2, None, True)
+    return float((output - single).abs().max() / single.abs().max())
+
+
+def expert_parallel(world_size: int) -> str:
+    worst = max(run_world(_expert_parallel_rank, world_size))
+    return (f"{world_size} ranks: a dropless top-2 mixture-of-experts layer, experts spread over the ranks with "
+            f"all-to-alls, equals the single-process layer (relative difference {worst:.1e})")
+
+
+DEMOS = {"dp": (4, data_parallel), "tp": (2, tensor_parallel), "pp": (4, pipeline_parallel), "ep": (2, expert_parallel)}
 
 
 def main(argv=None) -> int:

@@ -5,8 +5,9 @@ exercises' checks, the book and the tests all run these."""
 from __future__ import annotations
 
 import torch
-# dtp.traffic's CommunicationLog enters a dispatch mode whose first use imports torch._dynamo (1 to 2 s):
-# imported here, once, before the ranks fork, rather than in every rank of every world.
+# A process imports torch._dynamo (1 to 2 s) the first time it builds a torch optimizer (torch wraps
+# Optimizer.add_param_group to keep the compiler out); every rank here builds an Adam. Imported once
+# here, before the ranks fork, it is not imported again in every rank of every world.
 import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 from torch import nn

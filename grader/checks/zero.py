@@ -1,0 +1,548 @@
+"""Checks of the ZeRO and FSDP chapter (notebook 06_zero).
+
+Oracles, computed in the grader: single-process Adam on the full batch (which plain data-parallel
+Adam equals), the closed forms of `dtp.zero` (checked against measurements in
+tests/test_zero_formulas.py), and the layout a run used, recovered from the pieces it
+all-gathered (`dtp.zero.units_from_pieces`). Mechanisms, from what the learner's code did on each
+rank: the collectives recorded on the process group, the bytes of the tensors it kept
+(`dtp.zero_measure.held_bytes`), and the full weights and gradients alive after every operation
+(`dtp.zero_measure.FullTensorTracker`), all recorded by `dtp.zero_runs.train_zero_rank`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dtp import memory, zero, zero_runs
+from dtp.models import tiny_mlp
+
+from ..compare import CheckFailed, expect, expect_answer, expect_close
+from ..registry import Check, exercise
+from .common import completed_worlds, describe_call, raise_world_failure, run_worlds
+
+# --- 1. memory per GPU ------------------------------------------------------------------------
+
+MIXED = "mixed_adam"
+
+
+def _stage_slips(n_params: float, n_gpus: int, stage: int) -> dict[str, float]:
+    """Known mistakes, and the memory per GPU each of them gives."""
+    psi, n = n_params, n_gpus
+    slips = {"that counts 8 bytes of optimizer state per parameter; mixed-precision Adam keeps 12: fp32 master "
+             "weights, momentum and variance": zero.model_state_bytes_per_gpu(psi, n, stage, "mixed_sgd_momentum")}
+    if stage == 1:
+        slips["that is 16Ψ/4: the 4x of the source notes is the limit as Nd grows; at finite Nd ZeRO-1 keeps the "
+              "16-bit weights and gradients whole, 2Ψ + 2Ψ + 12Ψ/Nd"] = 4 * psi
+    if stage == 2:
+        slips["that is 16Ψ/8: the 8x of the source notes is the limit as Nd grows; at finite Nd ZeRO-2 keeps the "
+              "16-bit weights whole, 2Ψ + 14Ψ/Nd"] = 2 * psi
+    if stage >= 1:
+        slips["that is the previous stage's memory: stage 1 shards the optimizer states, stage 2 the gradients too, "
+              "stage 3 the weights too (stage 0 is plain data parallelism)"] = \
+            zero.model_state_bytes_per_gpu(psi, n, stage - 1, MIXED)
+    if stage < 3:
+        slips["that shards one component too many (stage 1: optimizer states; 2: + gradients; 3: + weights)"] = \
+            zero.model_state_bytes_per_gpu(psi, n, stage + 1, MIXED)
+    return slips
+
+
+@exercise("zero.memory_per_gpu", points=2)
+class MemoryPerGpu(Check):
+    """Verifies: model-state bytes per GPU of mixed-precision Adam (2 + 2 + 12 bytes per
+    parameter) for stages 0 to 3, and the saving factor over plain data parallelism, on random
+    Ψ and Nd (Nd = 1, 8, 64 and 1024 among them).
+    Fakes: dtp.zero's functions trip; inputs are drawn at random."""
+
+    reads = ("zero_memory_per_gpu", "zero_saving_factor")
+    references = ("dtp.zero.model_state_bytes_per_gpu", "dtp.zero.model_state_breakdown_per_gpu",
+                  "dtp.zero.memory_saving_factor", "dtp.zero.hybrid_sharding_bytes_per_gpu")
+    timeout_s = 15
+
+    def prepare(self, rng):
+        gpus = [1, 8, 64, 1024] + [int(rng.integers(2, 5000)) for _ in range(2)]
+        return [(float(rng.integers(10**6, 10**12)), n, stage) for n in gpus for stage in zero.STAGES]
+
+    def collect(self, student, cases):
+        return {"memory": [student.zero_memory_per_gpu(psi, n, stage) for psi, n, stage in cases],
+                "factor": [student.zero_saving_factor(n, stage) for _, n, stage in cases]}
+
+    def judge(self, cases, answers) -> str:
+        for (psi, n, stage), answer in zip(cases, answers["memory"]):
+            expect_answer(answer, zero.model_state_bytes_per_gpu(psi, n, stage, MIXED),
+                          describe_call("zero_memory_per_gpu", (psi, n, stage), {}), rel=1e-9,
+                          slips=_stage_slips(psi, n, stage))
+        for (_, n, stage), answer in zip(cases, answers["factor"]):
+            right = zero.memory_saving_factor(n, stage, MIXED)
+            slips = {"that is memory per GPU over 16Ψ; the saving factor is 16Ψ over memory per GPU": 1 / right}
+            if stage in (1, 2):
+                slips[f"that is the Nd → ∞ limit; at Nd = {n} the factor is smaller"] = zero.saving_factor_limit(stage)
+            expect_answer(answer, right, describe_call("zero_saving_factor", (n, stage), {}), rel=1e-9, slips=slips)
+        return ("memory per GPU for stages 0 to 3 and the saving factors match 2Ψ + 2Ψ + 12Ψ/Nd, 2Ψ + 14Ψ/Nd and "
+                "16Ψ/Nd on random Ψ and Nd")
+
+
+# --- 2, 3 and 4. ZeRO on gloo -----------------------------------------------------------------
+
+BETAS = zero_runs.ADAM["betas"]
+STEPS = zero_runs.STEPS
+FSDP_REFERENCES = ("torch.distributed.fsdp.fully_shard", "torch.distributed.fsdp.FullyShardedDataParallel")
+ZERO_OPTIMIZER = "torch.distributed.optim.ZeroRedundancyOptimizer"
+ALLOWED_OPS = {"all_gather", "reduce_scatter", "wait", "mark"}
+
+
+def _parameter_sizes(sizes) -> list[int]:
+    return [p.numel() for p in tiny_mlp(sizes).parameters()]
+
+
+def _matrix_flags(sizes) -> list[bool]:
+    return [p.dim() > 1 for p in tiny_mlp(sizes).parameters()]
+
+
+class StageJudge:
+    """Judges one world of one stage. Each property is checked on every rank before the next, so
+    that the feedback names the most basic mistake: what was called, how it was sharded, where
+    Adam's state lives, how the gradients were averaged, the numbers, then what else was held."""
+
+    def __init__(self, stage: int, n: int, sizes, seed: int, batch_seed: int, per_rank: list[dict], what: str):
+        self.stage, self.n, self.sizes, self.per_rank, self.what = stage, n, sizes, per_rank, what
+        self.parameter_sizes = _parameter_sizes(sizes)
+        self.psi = sum(self.parameter_sizes)
+        self.reference = zero_runs.single_process_adam(sizes, seed, zero_runs.batches(sizes, batch_seed, n), n)
+        self.units: list[int] = []
+
+    @property
+    def name(self) -> str:
+        return f"{self.what} (world {self.n})"
+
+    def judge(self) -> None:
+        for rank, outcome in enumerate(self.per_rank):
+            expect(len(outcome["losses"]) == STEPS, f"{self.name}: rank {rank} did not complete {STEPS} steps")
+            self.operations(rank, outcome)
+        for rank, outcome in enumerate(self.per_rank):
+            self.layout(rank, outcome)
+        for rank, outcome in enumerate(self.per_rank):
+            self.optimizer_state(rank, outcome)
+        self.averaging()
+        self.trajectory()
+        for rank, outcome in enumerate(self.per_rank):
+            self.memory(rank, outcome)
+
+    # --- what was called ---
+    def operations(self, rank: int, outcome: dict) -> None:
+        for events in outcome["events"]:
+            used = {e["op"] for e in events} - ALLOWED_OPS
+            if "all_reduce" in used:
+                raise CheckFailed(
+                    f"{self.name}: rank {rank} called all_reduce. ZeRO averages gradients with a reduce-scatter, so "
+                    "that each rank receives only the average of its own piece ((n-1)/n·Ψ sent); an all-reduce sends "
+                    "twice that, and the all-gather of the weights comes on top")
+            expect(not used, f"{self.name}: rank {rank} called {', '.join(sorted(used))}; ZeRO needs only "
+                             "reduce-scatter (gradients) and all-gather (weights)")
+
+    # --- how it was sharded ---
+    @staticmethod
+    def gathered_between(events, start: str, stop: str) -> list[int]:
+        """Pieces (elements) all-gathered between two marks of a step."""
+        labels = [e.get("label") for e in events]
+        begin, end = labels.index(start), labels.index(stop)
+        return [e["bytes"] // zero.FP32_ITEMSIZE for e in events[begin:end] if e["op"] == "all_gather"]
+
+    def layout(self, rank: int, outcome: dict) -> None:
+        n = self.n
+        for step, events in enumerate(outcome["events"], 1):
+            scatters = [e["bytes"] // zero.FP32_ITEMSIZE for e in events if e["op"] == "reduce_scatter"]
+            expect(all(size % n == 0 for size in scatters),
+                   f"{self.name}: rank {rank} reduce-scattered {scatters} elements in step {step}: pad each tensor to a "
+                   f"multiple of the world size ({n}) so that every rank receives an equal piece")
+            pieces = self.gathered_between(events, "forward", "backward") if self.stage == 3 else \
+                [e["bytes"] // zero.FP32_ITEMSIZE for e in events if e["op"] == "all_gather"]
+            # Forward runs the layers in the model's order, so ZeRO-3's forward gathers come in that
+            # order, which tells apart splits of the parameters with the same pieces.
+            units = (self.stage == 3 and zero.units_from_pieces(pieces, self.parameter_sizes, n, ordered=True)) \
+                or zero.units_from_pieces(pieces, self.parameter_sizes, n)
+            if units is None:
+                raise CheckFailed(
+                    f"{self.name}: in step {step} rank {rank} all-gathered pieces of {sorted(pieces)} elements"
+                    f"{' in forward' if self.stage == 3 else ''} for parameters of {self.parameter_sizes} elements; "
+                    f"each parameter must be gathered once, in pieces of ceil(u/{n}) elements of a tensor of u "
+                    "elements (one tensor per parameter, per layer, or one flat buffer of all of them)")
+            self.units = units
+            expect(sorted(size // n for size in scatters) == sorted(zero.shard_numel(u, n) for u in units),
+                   f"{self.name}: in step {step} rank {rank} reduce-scattered {scatters} elements; each unit it "
+                   f"all-gathered ({units} elements) should be reduce-scattered once, padded to a multiple of {n}")
+            if self.stage >= 2:
+                self.scattered_during_backward(rank, step, events)
+            if self.stage == 3:
+                self.gathered_again(rank, step, events, units)
+
+    def scattered_during_backward(self, rank: int, step: int, events) -> None:
+        labels = [e.get("label") for e in events]
+        late = [e for e in events[labels.index("step"):] if e["op"] == "reduce_scatter"]
+        expect(not late, f"{self.name}: rank {rank} reduce-scattered gradients after backward (in step {step}): "
+                         f"ZeRO-{self.stage} reduce-scatters each gradient during backward, as soon as it is produced "
+                         "(a post-accumulate-grad hook), so that the full gradients never exist together")
+
+    def gathered_again(self, rank: int, step: int, events, units: list[int]) -> None:
+        """In backward, every unit holding a weight matrix is gathered again (a bias alone is not
+        needed: its gradient is the sum of the output gradient)."""
+        again = self.gathered_between(events, "backward", "step")
+        missing = sorted(zero.shard_numel(u, self.n) for u, matrix in zip(units, self.units_with_matrices(units))
+                         if matrix)
+        for piece in again:
+            if piece in missing:
+                missing.remove(piece)
+        if missing:
+            peak = max(o["full weights"][step - 1]["forward"] for o in self.per_rank)
+            raise CheckFailed(
+                f"{self.name}: rank {rank} did not all-gather the weights again during backward (step {step}): "
+                f"pieces of {missing} elements are missing. Weights gathered in forward and saved for backward stay "
+                f"alive until backward reaches them (here up to {peak} of the {zero.FP32_ITEMSIZE * self.psi} bytes "
+                "of weights at once): free them after each layer's forward and gather them again in backward")
+
+    def units_with_matrices(self, units: list[int]) -> list[bool]:
+        flags, index, result = _matrix_flags(self.sizes), 0, []
+        for unit in units:
+            total, matrix = 0, False
+            while total < unit:
+                total += self.parameter_sizes[index]
+                matrix = matrix or flags[index]
+                index += 1
+            result.append(matrix)
+        return result
+
+    # --- where Adam's state lives, and how the gradients were averaged ---
+    def shard_elements(self) -> int:
+        return sum(zero.shard_numel(u, self.n) for u in self.units)
+
+    def optimizer_state(self, rank: int, outcome: dict) -> None:
+        item, shard = zero.FP32_ITEMSIZE, self.shard_elements()
+        for step in range(1, STEPS):  # Adam's state exists from the first step on
+            held = outcome["held"][step]["optimizer states"]
+            where = f"{self.name}: rank {rank} after backward in step {step + 1}"
+            if held >= 2 * item * self.psi:
+                raise CheckFailed(f"{where} holds {held} bytes of Adam state: that covers all the parameters. Each "
+                                  f"rank must update only its piece, with Adam state for it alone: 2·4·{shard} = "
+                                  f"{2 * item * shard} bytes")
+            expect(held == 2 * item * shard, f"{where} holds {held} bytes of Adam state; for its pieces ({shard} "
+                                             f"elements, padding included) Adam keeps two fp32 moments, "
+                                             f"{2 * item * shard} bytes")
+
+    def averaging(self) -> None:
+        found = [o["exp_avg"] for o in self.per_rank]
+        if any(value is None for value in found):
+            raise CheckFailed(f"{self.name}: no torch.optim.Adam holds Adam's state on some rank: step your piece "
+                              "of the weights with torch.optim.Adam, so that its state is this rank's piece only")
+        # Adam's first momentum is (1 - beta1)·g: summed over the ranks' pieces it shows how g was scaled.
+        ratio = sum(found) / ((1 - BETAS[0]) * self.reference["first gradient"])
+        n = self.n
+        if abs(ratio - n) < 0.02 * n:
+            raise CheckFailed(f"{self.name}: the gradients Adam stepped with are {ratio:.2f}x the average: the "
+                              "reduce-scatter sums; divide by the world size (Adam hides most of this bug: its "
+                              "update barely changes when every gradient is scaled)")
+        if abs(ratio - 1 / n) < 0.02 / n:
+            raise CheckFailed(f"{self.name}: the gradients Adam stepped with are 1/{n} of the average: you divided by "
+                              "the world size twice (Adam hides most of this bug: its update barely changes when "
+                              "every gradient is scaled)")
+        expect(abs(ratio - 1) < 1e-3, f"{self.name}: the gradients Adam stepped with add up to {ratio:.3g}x the "
+                                      "average gradient: each rank must step with the average over ranks of its piece")
+
+    # --- the numbers ---
+    def trajectory(self) -> None:
+        for rank, outcome in enumerate(self.per_rank):
+            for step in range(STEPS):
+                wanted = self.reference["losses"][step][rank]
+                expect(abs(outcome["losses"][step] - wanted) <= 1e-4 * (1 + abs(wanted)),
+                       f"{self.name}: rank {rank}'s loss in step {step + 1} is {outcome['losses'][step]:.6g}, plain "
+                       f"data-parallel Adam gives {wanted:.6g}")
+                self.compare_state(rank, step, outcome)
+
+    def compare_state(self, rank: int, step: int, outcome: dict) -> None:
+        reference = self.reference["states"][step]
+        mine = outcome["states"][step]
+        what = f"{self.name}: rank {rank}'s weights after step {step + 1}"
+        expect(isinstance(mine, dict) and set(mine) == set(reference), f"{what}: the model's parameters changed names")
+        for name, value in reference.items():
+            try:
+                expect_close(mine[name], value, f"{what}, `{name}`", rtol=1e-4, atol=1e-5)
+            except CheckFailed as failed:
+                unchanged = step > 0 and np.array_equal(mine[name], outcome["states"][step - 1][name])
+                hint = " It did not change in this step: did the updated pieces reach every rank (all-gather)?" \
+                    if unchanged else ""
+                raise CheckFailed(str(failed) + hint) from None
+
+    # --- what else was held ---
+    def memory(self, rank: int, outcome: dict) -> None:
+        n, psi, item = self.n, self.psi, zero.FP32_ITEMSIZE
+        shard = self.shard_elements()
+        padded = n * shard
+        for step in range(1, STEPS):
+            held = outcome["held"][step]
+            where = f"{self.name}: rank {rank} after backward in step {step + 1}"
+            if self.stage == 2:
+                self.gradients_freed(rank, step, outcome)
+            if self.stage == 3:
+                self.full_weights(rank, step, outcome)
+                expect(held["weights"] == item * shard,
+                       f"{where} holds {held['weights']} bytes of parameters; ZeRO-3 keeps only this rank's pieces, "
+                       f"{item * shard} bytes: register only the pieces as your module's parameters")
+            else:
+                expect(held["weights"] in (item * (psi + shard), item * padded),
+                       f"{where} holds {held['weights']} bytes of weights; the model's {item * psi} and your pieces' "
+                       f"{item * shard} make {item * (psi + shard)} (or {item * padded} if the model's weights live in "
+                       "padded buffers that your pieces are views of)")
+            if self.stage >= 2:
+                expect(held["gradients"] == item * shard,
+                       f"{where} holds {held['gradients']} bytes of gradients; ZeRO-{self.stage} keeps the averaged "
+                       f"gradient of its pieces only, {item * shard} bytes (set it as the pieces' .grad)")
+            else:
+                expect(held["gradients"] in (item * psi, item * padded),
+                       f"{where} holds {held['gradients']} bytes of gradients; ZeRO-1 keeps the full gradients that "
+                       f"backward produced, {item * psi} bytes, and makes the averaged pieces only in step()")
+            expect(held["other"] == 0,
+                   f"{where} keeps {held['other']} bytes in tensors that are neither weights, gradients nor optimizer "
+                   f"state ({'; '.join(held['other paths'])}): free buffers once a collective is done")
+
+    def gradients_freed(self, rank: int, step: int, outcome: dict) -> None:
+        left = outcome["full grads after backward"][step]
+        expect(left == 0, f"{self.name}: after backward in step {step + 1} rank {rank} still holds {left} bytes of "
+                          "full gradients: ZeRO-2 keeps only the averaged piece; once a gradient is reduce-scattered, "
+                          "drop it (parameter.grad = None) and keep no other reference to it")
+        peak = outcome["grad peak"][step]
+        expect(peak < zero.FP32_ITEMSIZE * self.psi,
+               f"{self.name}: during backward in step {step + 1} rank {rank} held all {peak} bytes of full gradients "
+               "at once: reduce-scatter each gradient as backward produces it (a post-accumulate-grad hook) and "
+               "free it there")
+
+    def full_weights(self, rank: int, step: int, outcome: dict) -> None:
+        record = outcome["full weights"][step]
+        total = zero.FP32_ITEMSIZE * self.psi
+        for phase in ("forward", "backward"):
+            expect(record[phase] < total,
+                   f"{self.name}: during {phase} in step {step + 1} rank {rank} held {record[phase]} bytes of "
+                   f"gathered weights at once, all {total} bytes of them: gather each layer's weights just before "
+                   "it runs and free them right after")
+        for moment in ("after backward", "after step"):
+            expect(record[moment] == 0,
+                   f"{self.name}: {moment} in step {step + 1} rank {rank} still holds {record[moment]} bytes of "
+                   "gathered weights: free them once the layer's forward or backward is done")
+
+
+class Zero3Judge(StageJudge):
+    """ZeRO-3's weights exist on a rank only as pieces: the grader puts them back together."""
+
+    def compare_state(self, rank: int, step: int, outcome: dict) -> None:
+        pieces_by_rank = [o["states"][step] for o in self.per_rank]
+        sizes = [np.size(piece) for piece in pieces_by_rank[rank]]
+        expect(all([np.size(p) for p in pieces] == sizes for pieces in pieces_by_rank),
+               f"{self.name}: the ranks' modules have parameters of different sizes; every rank holds pieces of "
+               "ceil(u/n) elements of the same units")
+        units = zero.units_from_pieces(sizes, self.parameter_sizes, self.n, ordered=True)
+        expect(units is not None, f"{self.name}: rank {rank}'s module parameters have {sizes} elements, which are not pieces "
+                         f"of ceil(u/{self.n}) elements of the model's parameters ({self.parameter_sizes} elements) in "
+                         "the model's order")
+        full = np.concatenate(zero.unshard(pieces_by_rank, units))
+        reference = np.concatenate([np.ravel(v) for v in self.reference["states"][step].values()])
+        expect_close(full, reference, f"{self.name}: the weights after step {step + 1}, put together from every "
+                                      "rank's pieces", rtol=1e-4, atol=1e-5)
+
+
+def _stage_inputs(rng, world_sizes, layers: int) -> list[tuple]:
+    worlds = []
+    for n in world_sizes:
+        hidden = [int(rng.integers(16, 25)) for _ in range(layers - 1)]
+        sizes = (8, *hidden, 4)
+        worlds.append((n, sizes, int(rng.integers(1 << 20)), int(rng.integers(1 << 20))))
+    return worlds
+
+
+class ZeroStageCheck(Check):
+    """One ZeRO stage trained on gloo worlds of the given sizes and judged world by world."""
+
+    stage = 0
+    name = ""
+    layers = 3
+    world_sizes: tuple[int, ...] = ()
+    judge_class = StageJudge
+    timeout_s = 60
+    runs_world = True
+
+    def prepare(self, rng):
+        return _stage_inputs(rng, self.world_sizes, self.layers)
+
+    def collect(self, student, worlds):
+        make = getattr(student, self.reads[0])
+        return run_worlds(zero_runs.train_zero_rank, [(n, (self.stage, make, sizes, seed, batch_seed))
+                                                         for n, sizes, seed, batch_seed in worlds])
+
+    def judge(self, worlds, outcomes) -> str:
+        done, failure = completed_worlds(outcomes)
+        for (n, sizes, seed, batch_seed), per_rank in zip(worlds, done):
+            self.judge_class(self.stage, n, sizes, seed, batch_seed, per_rank, self.name).judge()
+        raise_world_failure(failure)
+        return self.summary
+
+
+@exercise("zero.zero1", points=3)
+class ZeRO1(ZeroStageCheck):
+    """Verifies: on 2 and 4 gloo ranks, 3 Adam steps equal plain data-parallel Adam (weights and
+    losses); per step only a reduce-scatter and an all-gather per unit (parameters, or flat
+    buffers of them), padded to a multiple of n; the Adam that steps the rank's piece holds
+    state for it alone (8 bytes per element of the piece), and the gradients averaged (not
+    summed, not divided twice: read from Adam's first momentum); nothing else kept.
+    Fakes: torch's ZeroRedundancyOptimizer trips; full Adam on every rank (its state bytes);
+    all-reduce then local update (recorded on the process group)."""
+
+    reads = ("ZeRO1Adam",)
+    references = (ZERO_OPTIMIZER,)
+    stage, name, world_sizes = 1, "ZeRO1Adam", (2, 4)
+    summary = ("3 Adam steps equal plain data-parallel Adam on 2 and 4 ranks; gradients reduce-scattered and "
+               "averaged, Adam state only for this rank's piece, weights all-gathered: 2(n-1)/n·Ψ sent per step")
+
+
+@exercise("zero.zero2", points=3)
+class ZeRO2(ZeroStageCheck):
+    """Verifies: as zero.zero1 (2 and 3 ranks), and the gradients: each is reduce-scattered
+    during backward and dropped there, so no full gradient is alive after backward (anywhere in
+    the process: the storages that were a .grad are followed), never all of them at once during
+    backward, and the rank keeps only the averaged gradient of its pieces.
+    Fakes: keeping full gradients (or references to them), or reduce-scattering after backward,
+    show in the followed storages and the recorded order."""
+
+    reads = ("ZeRO2Adam",)
+    references = (ZERO_OPTIMIZER,)
+    stage, name, world_sizes = 2, "ZeRO2Adam", (2, 3)
+    summary = ("3 Adam steps equal plain data-parallel Adam on 2 and 3 ranks; each gradient reduce-scattered during "
+               "backward and freed, only the averaged pieces kept; 2(n-1)/n·Ψ sent per step")
+
+
+@exercise("zero.zero3", points=4)
+class ZeRO3(ZeroStageCheck):
+    """Verifies: on 3 and 4 ranks, a 4-layer MLP wrapped by the learner's module and trained by
+    torch Adam over its parameters equals plain data-parallel Adam (the pieces are put back
+    together in the grader); the module's parameters are the rank's padded pieces only; every
+    unit is all-gathered once in forward and again in backward (units with a weight matrix), and
+    reduce-scattered once; gathered weights, followed through every copy by a dispatch mode,
+    never amount to all weights at once and are all freed after backward and after the step.
+    Fakes: torch's fully_shard/FSDP trip; keeping gathered weights for backward (the followed
+    storages, and the missing all-gathers); keeping the full model inside the module (bytes)."""
+
+    reads = ("ZeRO3Module",)
+    references = FSDP_REFERENCES
+    stage, name, world_sizes, layers, judge_class = 3, "ZeRO3Module", (3, 4), 4, Zero3Judge
+    summary = ("3 Adam steps equal plain data-parallel Adam on 3 and 4 ranks; only pieces held, each layer gathered "
+               "just before forward and again in backward, never all weights at once; 3(n-1)/n·Ψ sent per step")
+
+
+# --- 5. exact bytes per rank ------------------------------------------------------------------
+
+@exercise("zero.bytes_per_step", points=2)
+class BytesPerStep(Check):
+    """Verifies: bytes a rank holds (weights, gradients, Adam state) and sends per step (ring
+    collectives) for the course's fp32 runs, with each unit padded to n·ceil(u/n), on random
+    units and world sizes (sizes not divisible by n, one flat unit, many units), stages 0 to 3.
+    Fakes: dtp.zero's functions trip; inputs are drawn at random."""
+
+    reads = ("zero_bytes_held", "zero_bytes_sent")
+    references = ("dtp.zero.held_bytes_per_rank", "dtp.zero.sent_bytes_per_rank")
+    timeout_s = 15
+
+    def prepare(self, rng):
+        cases = []
+        for draw in range(4):
+            n = int(rng.integers(2, 9))
+            if draw == 0:  # one flat buffer, not divisible by n
+                units = [n * int(rng.integers(10, 5000)) + int(rng.integers(1, n))]
+            else:  # several units, two of them one element past a multiple of n: padding each differs from padding all
+                units = [n * int(rng.integers(1, 1000)) + 1 for _ in range(2)]
+                units += [int(rng.integers(1, 5000)) for _ in range(int(rng.integers(0, 5)))]
+                rng.shuffle(units)
+            cases += [(units, n, stage) for stage in zero.STAGES]
+        return cases
+
+    def collect(self, student, cases):
+        return {"held": [student.zero_bytes_held(list(units), n, stage) for units, n, stage in cases],
+                "sent": [student.zero_bytes_sent(list(units), n, stage) for units, n, stage in cases]}
+
+    def judge(self, cases, answers) -> str:
+        for (units, n, stage), held, sent in zip(cases, answers["held"], answers["sent"]):
+            call = describe_call("zero_bytes_held", (units, n, stage), {})
+            expect(isinstance(held, dict) and set(held) == set(zero.COMPONENTS),
+                   f"{call} should return a dict with the keys {list(zero.COMPONENTS)}")
+            right = zero.held_bytes_per_rank(units, n, stage)
+            slip = _held_slip(held, units, n, stage)
+            for component in zero.COMPONENTS:
+                expect_answer(held[component], right[component], f"{call}[{component!r}]", rel=1e-9,
+                              slips={slip[0]: slip[1][component]} if slip else None)
+            call = describe_call("zero_bytes_sent", (units, n, stage), {})
+            pieces = sum(zero.shard_numel(u, n) for u in units) * zero.FP32_ITEMSIZE
+            slips = {"that leaves out the padding: every collective moves pieces of ceil(u/n) elements":
+                     (3 if stage == 3 else 2) * (n - 1) / n * sum(units) * zero.FP32_ITEMSIZE}
+            if stage == 3:
+                slips["ZeRO-3 gathers the weights twice per step, for forward and again for backward: 3, not 2, "
+                      "collectives per unit"] = 2 * (n - 1) * pieces
+            if stage >= 1:
+                slips["that counts what gloo moves (its reduce-scatter is an all-reduce); count a ring's bytes"] = \
+                    (4 if stage == 3 else 3) * (n - 1) * pieces
+                slips["that counts the whole units, not the (n-1)·ceil(u/n) a ring sends per rank"] = \
+                    (3 if stage == 3 else 2) * n * pieces
+            expect_answer(sent, zero.sent_bytes_per_rank(units, n, stage), call, rel=1e-9, slips=slips)
+        return ("bytes held and sent per step match the padded formulas for stages 0 to 3 on random units and world "
+                "sizes")
+
+
+def _held_slip(held: dict, units: list[int], n: int, stage: int) -> tuple[str, dict] | None:
+    """The known mistake a whole answer of zero_bytes_held matches, if any."""
+    variants = {
+        "that leaves out the padding: a unit of u elements is held as a piece of ceil(u/n) elements, each unit "
+        "padded on its own": zero.held_bytes_per_rank(units, n, stage, padded=False),
+        "that pads all units together, as one flat buffer; here each unit is padded on its own":
+            zero.held_bytes_per_rank(units, n, stage, units=[sum(units)]),
+    }
+    if stage in (1, 2):
+        right = zero.held_bytes_per_rank(units, n, stage)
+        variants["in stages 1 and 2 the optimizer steps a copy of this rank's piece of the weights: count it"] = \
+            {**right, "weights": zero.FP32_ITEMSIZE * sum(units)}
+    for feedback, values in variants.items():
+        try:
+            if all(np.isclose(float(held[k]), values[k], rtol=1e-9, atol=0) for k in zero.COMPONENTS):
+                return feedback, values
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+# --- 6. interview questions -------------------------------------------------------------------
+
+H100_BYTES = memory.GPU_MEMORY_MIB["H100 80GB"] * 2**20
+RESERVED_BYTES = 16 * 2**30
+INTERVIEW_ANSWERS = ("interview_70b_zero3_gb_per_gpu_on_8", "interview_70b_fewest_h100_zero3",
+                     "interview_zero1_saving_on_8", "interview_70b_zero2_gb_per_gpu_on_1024",
+                     "interview_zero3_traffic_over_dp")
+
+
+@exercise("zero.interview", points=2)
+class Interview(Check):
+    """Verifies: five fixed interview answers (the source notes' 70B examples among them).
+    Fakes: a fixed question, so a copied number passes; it is worth two points for that reason."""
+
+    reads = INTERVIEW_ANSWERS
+    timeout_s = 15
+
+    def collect(self, student, inputs):
+        return [getattr(student, name) for name in INTERVIEW_ANSWERS]
+
+    def judge(self, inputs, answers) -> str:
+        per_gpu_8, fewest, saving, zero2_1024, traffic = answers
+        psi = 70e9
+        expect_answer(per_gpu_8, zero.model_state_bytes_per_gpu(psi, 8, 3) / 1e9, INTERVIEW_ANSWERS[0], rel=1e-3,
+                      slips={"that is in GiB; GB = 10^9 bytes": zero.model_state_bytes_per_gpu(psi, 8, 3) / 2**30})
+        right = zero.fewest_gpus_to_fit(psi, H100_BYTES, 3, reserved_bytes=RESERVED_BYTES)
+        expect_answer(fewest, right, INTERVIEW_ANSWERS[1], rel=1e-9, slips={
+            "that takes 80GB as 80·10⁹ bytes; the H100 reports 81559 MiB":
+                zero.fewest_gpus_to_fit(psi, 80e9, 3, reserved_bytes=16e9),
+            "that leaves no room for activations": zero.fewest_gpus_to_fit(psi, H100_BYTES, 3)})
+        expect_answer(saving, zero.memory_saving_factor(8, 1), INTERVIEW_ANSWERS[2], rel=1e-3,
+                      slips={"4x is the limit as Nd grows, not the saving at Nd = 8": 4.0})
+        expect_answer(zero2_1024, zero.model_state_bytes_per_gpu(psi, 1024, 2) / 1e9, INTERVIEW_ANSWERS[3], rel=1e-3)
+        expect_answer(traffic, zero.communication_bytes_per_gpu(psi, 64, 3) / zero.communication_bytes_per_gpu(psi, 64, 0),
+                      INTERVIEW_ANSWERS[4], rel=1e-3)
+        return "all five interview answers are right"

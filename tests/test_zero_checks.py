@@ -1,0 +1,381 @@
+"""Every check of the ZeRO chapter rejects plausible wrong answers with feedback that names the
+mistake, and accepts correct answers written differently from the course's (a flat buffer of all
+parameters or one tensor per parameter, all_gather lists or all_gather_single)."""
+import nbformat
+import pytest
+
+from conftest import grade, solution_path
+
+SOLUTION = nbformat.read(solution_path("zero"), as_version=4)
+
+
+def cell_defining(name: str) -> str:
+    return next(cell.source for cell in SOLUTION.cells
+                if cell.cell_type == "code" and (f"class {name}" in cell.source or f"def {name}(" in cell.source))
+
+
+def changed(source: str, *replacements: tuple[str, str]) -> str:
+    for old, new in replacements:
+        assert old in source, old
+        source = source.replace(old, new)
+    return source
+
+
+ZERO1_CELL = cell_defining("ZeRO1Adam")
+ZERO2_CELL = cell_defining("ZeRO2Adam")
+ZERO3_CELL = cell_defining("ZeRO3Module")
+
+
+def graded(tmp_notebook, exercise_id: str, replacements: dict):
+    return grade(tmp_notebook("zero", replacements), exercise_id)[exercise_id]
+
+
+def assert_fails(result, feedback: str):
+    assert result.status == "failed", result
+    assert feedback in result.feedback, result.feedback
+
+
+# --- exercise 1: memory per GPU ---
+
+MEMORY = '''
+def zero_memory_per_gpu(n_params, n_gpus, stage):
+    sharded = {{0: (), 1: ("optimizer",), 2: ("optimizer", "gradients"), 3: ("optimizer", "gradients", "weights")}}
+    parts = {{"weights": 2, "gradients": 2, "optimizer": {OPTIMIZER}}}
+    return {MEMORY}
+
+
+def zero_saving_factor(n_gpus, stage):
+    return {FACTOR}
+'''
+RIGHT_MEMORY = dict(OPTIMIZER="12", MEMORY="sum(n_params * b / (n_gpus if k in sharded[stage] else 1) for k, b in parts.items())",
+                    FACTOR="zero_memory_per_gpu(1.0, 1, 0) / zero_memory_per_gpu(1.0, n_gpus, stage)")
+
+
+def memory_variant(**changes) -> str:
+    return MEMORY.format(**{**RIGHT_MEMORY, **changes})
+
+
+def test_memory_accepts_a_table_driven_answer(tmp_notebook):
+    assert graded(tmp_notebook, "zero.memory_per_gpu", {"zero_memory_per_gpu": memory_variant()}).status == "passed"
+
+
+@pytest.mark.parametrize("changes, feedback", [
+    (dict(MEMORY="4 * n_params if stage == 1 else " + RIGHT_MEMORY["MEMORY"]), "4x of the source notes"),
+    (dict(MEMORY="2 * n_params if stage == 2 else " + RIGHT_MEMORY["MEMORY"]), "8x of the source notes"),
+    (dict(MEMORY="sum(n_params * b / (n_gpus if k in sharded[max(stage - 1, 0)] else 1) for k, b in parts.items())"),
+     "the previous stage's memory"),
+    (dict(OPTIMIZER="8"), "mixed-precision Adam keeps 12"),
+    (dict(FACTOR="zero_memory_per_gpu(1.0, n_gpus, stage) / zero_memory_per_gpu(1.0, 1, 0)"),
+     "the saving factor is 16Ψ over memory per GPU"),
+    (dict(FACTOR="{1: 4.0, 2: 8.0}.get(stage, float(n_gpus if stage == 3 else 1))"), "the Nd → ∞ limit"),
+], ids=["zero1-is-4x", "zero2-is-8x", "stage-off-by-one", "optimizer-8-bytes", "factor-inverted", "factor-limit"])
+def test_memory_rejects(tmp_notebook, changes, feedback):
+    assert_fails(graded(tmp_notebook, "zero.memory_per_gpu", {"zero_memory_per_gpu": memory_variant(**changes)}),
+                 feedback)
+
+
+# --- exercise 2: ZeRO-1 ---
+
+ZERO1_ALL_REDUCE_AND_FULL_ADAM = ZERO1_CELL + '''
+
+class ZeRO1Adam:  # replaces the one above: every rank averages everything and updates the full model
+    def __init__(self, model, lr, betas, eps):
+        self.parameters = list(model.parameters())
+        self.optimizer = torch.optim.Adam(self.parameters, lr=lr, betas=betas, eps=eps)
+
+    def step(self):
+        for parameter in self.parameters:
+            dist.all_reduce(parameter.grad)
+            parameter.grad /= dist.get_world_size()
+        self.optimizer.step()
+'''
+
+ZERO1_GATHERED_GRADIENTS_AND_FULL_ADAM = ZERO1_CELL + '''
+
+class ZeRO1Adam:  # reduce-scatter and all-gather, but of gradients: every rank updates the full model
+    def __init__(self, model, lr, betas, eps):
+        self.parameters = list(model.parameters())
+        self.optimizer = torch.optim.Adam(self.parameters, lr=lr, betas=betas, eps=eps)
+
+    def step(self):
+        for parameter in self.parameters:
+            averaged = all_gather_full(reduce_scatter_mean(parameter.grad), parameter.numel())
+            parameter.grad.copy_(averaged.view_as(parameter))
+        self.optimizer.step()
+'''
+
+ZERO1_NO_ALL_GATHER = changed(ZERO1_CELL, (
+    "                parameter.copy_(all_gather_full(piece, parameter.numel()).view_as(parameter))",
+    "                pass  # each rank keeps its own update"))
+
+ZERO1_KEEPS_A_GATHER_BUFFER = changed(ZERO1_CELL, (
+    "        self.optimizer = torch.optim.Adam(self.pieces, lr=lr, betas=betas, eps=eps)",
+    "        self.optimizer = torch.optim.Adam(self.pieces, lr=lr, betas=betas, eps=eps)\n"
+    "        self.buffers = [torch.empty(p.numel()) for p in self.parameters]  # kept for every step"))
+
+ZERO1_TORCH = ZERO1_CELL + '''
+
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+class ZeRO1Adam:
+    def __init__(self, model, lr, betas, eps):
+        self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=lr)
+'''
+
+
+@pytest.mark.parametrize("source, feedback", [
+    (changed(ZERO1_CELL, ("return averaged.div_(world_size)", "return averaged.div_(world_size * world_size)")),
+     "divided by the world size twice"),
+    (changed(ZERO1_CELL, ("return averaged.div_(world_size)", "return averaged")), "the reduce-scatter sums"),
+    (ZERO1_ALL_REDUCE_AND_FULL_ADAM, "called all_reduce"),
+    (ZERO1_GATHERED_GRADIENTS_AND_FULL_ADAM, "covers all the parameters"),
+    (ZERO1_NO_ALL_GATHER, "each parameter must be gathered once"),
+    (ZERO1_KEEPS_A_GATHER_BUFFER, "neither weights, gradients nor optimizer state (zero.buffers"),
+    (ZERO1_TORCH, "uses the course's reference"),
+], ids=["averages-twice", "sums", "all-reduce-and-full-adam", "gathers-gradients-full-adam", "no-all-gather",
+        "keeps-buffers", "zero-redundancy-optimizer"])
+def test_zero1_rejects(tmp_notebook, source, feedback):
+    assert_fails(graded(tmp_notebook, "zero.zero1", {"ZeRO1Adam": source}), feedback)
+
+
+ZERO1_FLAT_VIEWS_AND_LISTS = ZERO1_CELL + '''
+
+class ZeRO1Adam:  # ZeRO's own layout: one padded flat buffer holds every weight; the piece is a view of it
+    def __init__(self, model, lr, betas, eps):
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.parameters = list(model.parameters())
+        self.numel = sum(p.numel() for p in self.parameters)
+        self.piece_numel = -(-self.numel // self.world_size)
+        self.flat = torch.zeros(self.piece_numel * self.world_size)
+        offset = 0
+        for parameter in self.parameters:
+            self.flat[offset:offset + parameter.numel()] = parameter.detach().reshape(-1)
+            parameter.data = self.flat[offset:offset + parameter.numel()].view_as(parameter)
+            offset += parameter.numel()
+        self.piece = self.flat[self.rank * self.piece_numel:(self.rank + 1) * self.piece_numel]
+        self.optimizer = torch.optim.Adam([self.piece], lr=lr, betas=betas, eps=eps)
+
+    def step(self):
+        gradients = torch.zeros(self.flat.numel())
+        gradients[:self.numel] = torch.cat([p.grad.reshape(-1) for p in self.parameters])
+        averaged = torch.empty(self.piece_numel)
+        dist.reduce_scatter(averaged, list(gradients.chunk(self.world_size)))
+        self.piece.grad = averaged / self.world_size
+        self.optimizer.step()
+        gathered = [torch.empty(self.piece_numel) for _ in range(self.world_size)]
+        dist.all_gather(gathered, self.piece.detach().clone())
+        with torch.no_grad():
+            self.flat.copy_(torch.cat(gathered))
+'''
+
+
+def test_zero1_accepts_one_flat_buffer_with_views_and_list_collectives(tmp_notebook):
+    result = graded(tmp_notebook, "zero.zero1", {"ZeRO1Adam": ZERO1_FLAT_VIEWS_AND_LISTS})
+    assert result.status == "passed", result
+
+
+# --- exercise 3: ZeRO-2 ---
+
+ZERO2_KEEPS_REFERENCES = changed(ZERO2_CELL, (
+    "            parameter.grad = None  # the full gradient is gone as soon as its piece is averaged",
+    "            kept.append(parameter.grad)\n            parameter.grad = None"), (
+    "        def hook(parameter):", "        kept = []\n\n        def hook(parameter):"))
+
+
+@pytest.mark.parametrize("source, feedback", [
+    (changed(ZERO2_CELL, ("            parameter.grad = None  # the full gradient is gone as soon as its piece is averaged",
+                          "")), "still holds"),
+    (ZERO2_KEEPS_REFERENCES, "keep no other reference to it"),
+    ("class ZeRO2Adam(ZeRO1Adam):\n    pass\n", "reduce-scattered gradients after backward"),
+], ids=["keeps-full-gradients", "keeps-references-to-them", "reduces-after-backward"])
+def test_zero2_rejects(tmp_notebook, source, feedback):
+    assert_fails(graded(tmp_notebook, "zero.zero2", {"ZeRO2Adam": source}), feedback)
+
+
+ZERO2_LAYER_BUCKETS = '''
+class ZeRO2Adam:
+    """One flat piece per layer (weight and bias): reduce-scattered once both gradients are ready."""
+
+    def __init__(self, model, lr, betas, eps):
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        self.layers = [layer for layer in model if isinstance(layer, nn.Linear)]
+        self.pieces = [piece_of(torch.cat([l.weight.reshape(-1), l.bias.reshape(-1)]), rank, world_size)
+                       for l in self.layers]
+        self.optimizer = torch.optim.Adam(self.pieces, lr=lr, betas=betas, eps=eps)
+        for layer, piece in zip(self.layers, self.pieces):
+            for parameter in (layer.weight, layer.bias):
+                parameter.register_post_accumulate_grad_hook(lambda p, layer=layer, piece=piece: self.ready(layer, piece))
+
+    def ready(self, layer, piece):
+        if layer.weight.grad is None or layer.bias.grad is None:
+            return
+        piece.grad = reduce_scatter_mean(torch.cat([layer.weight.grad.reshape(-1), layer.bias.grad]))
+        layer.weight.grad = layer.bias.grad = None
+
+    def step(self):
+        self.optimizer.step()
+        with torch.no_grad():
+            for layer, piece in zip(self.layers, self.pieces):
+                full = all_gather_full(piece, layer.weight.numel() + layer.bias.numel())
+                layer.weight.copy_(full[:layer.weight.numel()].view_as(layer.weight))
+                layer.bias.copy_(full[layer.weight.numel():])
+'''
+
+
+def test_zero2_accepts_one_flat_piece_per_layer(tmp_notebook):
+    result = graded(tmp_notebook, "zero.zero2", {"ZeRO2Adam": ZERO2_LAYER_BUCKETS})
+    assert result.status == "passed", result
+
+
+# --- exercise 4: ZeRO-3 ---
+
+ZERO3_SAVES_GATHERED_WEIGHTS = changed(ZERO3_CELL, (
+    "        ctx.save_for_backward(inputs, piece)  # the piece, not the gathered weight: that is freed on return",
+    "        ctx.save_for_backward(inputs, piece, weight)"), (
+    "        inputs, piece = ctx.saved_tensors", "        inputs, piece, weight = ctx.saved_tensors"), (
+    "        layer = all_gather_full(piece, out_features * (in_features + 1))  # gathered again, for backward\n"
+    "        weight = layer[:out_features * in_features].view(out_features, in_features)\n", ""))
+
+ZERO3_HOLDS_EVERY_LAYER = changed(ZERO3_CELL, (
+    "        ctx.save_for_backward(inputs, piece)  # the piece, not the gathered weight: that is freed on return",
+    "        HELD.append(layer)  # until the whole forward is done\n        ctx.save_for_backward(inputs, piece)"), (
+    "        return x\n", "        HELD.clear()\n        return x\n")) + "\n\nHELD = []\n"
+
+ZERO3_KEEPS_THE_MODEL = changed(ZERO3_CELL, (
+    "        self.pieces = nn.ParameterList()", "        self.pieces = nn.ParameterList()\n"
+    "        self.original_layers = list(model)  # a plain list: not registered, but kept alive"))
+
+
+@pytest.mark.parametrize("source, feedback", [
+    (ZERO3_SAVES_GATHERED_WEIGHTS, "did not all-gather the weights again during backward"),
+    (ZERO3_HOLDS_EVERY_LAYER, "during forward"),
+    (ZERO3_KEEPS_THE_MODEL, "zero.original_layers"),
+    (changed(ZERO3_CELL, ("return grad_output @ weight, reduce_scatter_mean(grad_layer), None, None",
+                          "return grad_output @ weight, reduce_scatter_mean(grad_layer) / dist.get_world_size(), "
+                          "None, None")), "divided by the world size twice"),
+    ("from torch.distributed.fsdp import fully_shard\n\ndef ZeRO3Module(model):\n    return fully_shard(model)\n",
+     "uses the course's reference"),
+], ids=["saves-gathered-weights", "holds-every-layer", "keeps-the-layers", "averages-twice", "fully-shard"])
+def test_zero3_rejects(tmp_notebook, source, feedback):
+    assert_fails(graded(tmp_notebook, "zero.zero3", {"ZeRO3Module": source}), feedback)
+
+
+ZERO3_PER_PARAMETER_LISTS = '''
+def gather_list(piece, numel):
+    parts = [torch.empty_like(piece) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, piece)
+    return torch.cat(parts)[:numel]
+
+
+class ShardedLinear(torch.autograd.Function):
+    """One piece per parameter, as FSDP2 shards; the bias is not gathered again for backward."""
+
+    @staticmethod
+    def forward(ctx, inputs, weight_piece, bias_piece, out_features, in_features):
+        weight = gather_list(weight_piece, out_features * in_features).view(out_features, in_features)
+        bias = gather_list(bias_piece, out_features)
+        ctx.save_for_backward(inputs, weight_piece)
+        ctx.shape = (out_features, in_features)
+        return inputs @ weight.T + bias
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        inputs, weight_piece = ctx.saved_tensors
+        weight = gather_list(weight_piece, ctx.shape[0] * ctx.shape[1]).view(ctx.shape)
+        return (grad_output @ weight, reduce_scatter_mean(grad_output.T @ inputs),
+                reduce_scatter_mean(grad_output.sum(0)), None, None)
+
+
+class ZeRO3Module(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        self.pieces = nn.ParameterList()
+        self.plan = []
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                self.pieces.append(nn.Parameter(piece_of(layer.weight, rank, world_size)))
+                self.pieces.append(nn.Parameter(piece_of(layer.bias, rank, world_size)))
+                self.plan.append((len(self.pieces) - 2, layer.out_features, layer.in_features))
+            else:
+                self.plan.append(layer)
+
+    def forward(self, x):
+        for step in self.plan:
+            if isinstance(step, tuple):
+                index, out_features, in_features = step
+                x = ShardedLinear.apply(x, self.pieces[index], self.pieces[index + 1], out_features, in_features)
+            else:
+                x = step(x)
+        return x
+'''
+
+
+def test_zero3_accepts_one_piece_per_parameter_and_all_gather_lists(tmp_notebook):
+    result = graded(tmp_notebook, "zero.zero3", {"ZeRO3Module": ZERO3_PER_PARAMETER_LISTS})
+    assert result.status == "passed", result
+
+
+# --- exercise 5: exact bytes ---
+
+BYTES = '''
+import math
+
+def zero_bytes_held(units, world_size, stage):
+    psi, pieces = sum(units), {PIECES}
+    if stage == 0:
+        return dict(weights=4 * psi, gradients=4 * psi, **{{"optimizer states": 8 * psi}})
+    return {{"weights": 4 * pieces if stage == 3 else 4 * (psi + {COPY}),
+            "gradients": 4 * pieces if stage >= 2 else 4 * psi, "optimizer states": 8 * pieces}}
+
+
+def zero_bytes_sent(units, world_size, stage):
+    n = world_size
+    if stage == 0:
+        return sum(2 * (n - 1) / n * 4 * u for u in units)
+    return {SENT}
+'''
+RIGHT_BYTES = dict(PIECES="sum(math.ceil(u / world_size) for u in units)", COPY="pieces",
+                   SENT="(3 if stage == 3 else 2) * (n - 1) * 4 * sum(math.ceil(u / n) for u in units)")
+
+
+def bytes_variant(**changes) -> str:
+    return BYTES.format(**{**RIGHT_BYTES, **changes})
+
+
+def test_bytes_accepts_math_ceil(tmp_notebook):
+    assert graded(tmp_notebook, "zero.bytes_per_step", {"zero_bytes_held": bytes_variant()}).status == "passed"
+
+
+@pytest.mark.parametrize("changes, feedback", [
+    (dict(PIECES="sum(units) / world_size"), "that leaves out the padding"),
+    (dict(PIECES="math.ceil(sum(units) / world_size)"), "padded on its own"),
+    (dict(COPY="0"), "steps a copy of this rank's piece"),
+    (dict(SENT="2 * (n - 1) * 4 * sum(math.ceil(u / n) for u in units)"), "3, not 2"),
+    (dict(SENT="(4 if stage == 3 else 3) * (n - 1) * 4 * sum(math.ceil(u / n) for u in units)"), "what gloo moves"),
+], ids=["no-padding", "flat-padding", "no-piece-copy", "zero3-two-collectives", "gloo-bytes"])
+def test_bytes_rejects(tmp_notebook, changes, feedback):
+    assert_fails(graded(tmp_notebook, "zero.bytes_per_step", {"zero_bytes_held": bytes_variant(**changes)}), feedback)
+
+
+# --- exercise 6: interview ---
+
+INTERVIEW = '''
+interview_70b_zero3_gb_per_gpu_on_8 = {GB}
+interview_70b_fewest_h100_zero3 = {FEWEST}
+interview_zero1_saving_on_8 = {SAVING}
+interview_70b_zero2_gb_per_gpu_on_1024 = (2 * 70e9 + 14 * 70e9 / 1024) / 1e9
+interview_zero3_traffic_over_dp = 1.5
+'''
+RIGHT_INTERVIEW = dict(GB="140.0", FEWEST="17", SAVING="16 / 5.5")
+
+
+@pytest.mark.parametrize("changes, feedback", [
+    (dict(GB=str(16 * 70e9 / 8 / 2**30)), "that is in GiB"),
+    (dict(FEWEST="18"), "80·10⁹ bytes"),
+    (dict(FEWEST="14"), "no room for activations"),
+    (dict(SAVING="4.0"), "4x is the limit"),
+], ids=["gib", "80e9-bytes", "no-activations", "notes-4x"])
+def test_interview_rejects(tmp_notebook, changes, feedback):
+    source = INTERVIEW.format(**{**RIGHT_INTERVIEW, **changes})
+    assert_fails(graded(tmp_notebook, "zero.interview", {"interview_70b_zero3_gb_per_gpu_on_8": source}), feedback)

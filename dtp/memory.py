@@ -159,7 +159,8 @@ def hardware_flops_utilization(n_params: float, n_layers: int, hidden: int, seq:
 
 # --- one GPU's memory, by component -----------------------------------------------------------
 
-def _component(entry: str) -> str:
+def component_of(entry: str) -> str:
+    """The part of the model states a recipe's entry belongs to: weights, gradients or optimizer states."""
     if "master" in entry or "Adam" in entry or "SGD" in entry:
         return "optimizer states"
     return "gradients" if "gradient" in entry else "weights"
@@ -179,7 +180,7 @@ def memory_breakdown(config: GPTConfig, recipe: str, micro_batch: int, tensor_pa
     shard = gpt_parameter_count(config) / tensor_parallel
     breakdown = {"weights": 0.0, "gradients": 0.0, "optimizer states": 0.0}
     for entry, nbytes in RECIPES[recipe].items():
-        breakdown[_component(entry)] += shard * nbytes
+        breakdown[component_of(entry)] += shard * nbytes
     breakdown["activations"] = activation_bytes(
         config.n_layers, config.n_positions, micro_batch, config.hidden, config.n_heads,
         tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel, recompute=recompute)

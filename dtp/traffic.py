@@ -150,6 +150,7 @@ class CommunicationLog:
             handle = log._handles.get(id(work))
             if handle is not None and handle[1] is work:
                 log.events.append({"op": "wait", "of": handle[0], "t": time.perf_counter()})
+                del log._handles[id(work)]  # a handle keeps its tensors alive: release it once waited on
             return _ORIGINAL_WAIT(work, *args, **kwargs)
 
         for method, original in _ORIGINALS.items():

@@ -146,6 +146,14 @@ def run_world(fn, world_size: int, args: tuple = (), *, timeout_s: float = 60.0,
             raise
 
 
+def import_lazy_torch_modules() -> None:
+    """Import what torch would otherwise import on first use in every forked rank: creating any
+    optimizer imports torch._dynamo (a second or more), and the first backward with an explicit
+    gradient imports sympy. Imported once here, before forking, ranks inherit them for free."""
+    import torch._dynamo  # noqa: F401
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+
+
 def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
@@ -183,6 +191,7 @@ def _run_as_launched_rank(fn, world_size: int, args: tuple, collective_timeout_s
 
 
 def _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s):
+    import_lazy_torch_modules()
     result_dir = tempfile.mkdtemp(prefix="dtp-world-")
     context = None
     try:

@@ -46,7 +46,7 @@ def bytes_per_parameter_by_component(recipe: str = "mixed_adam") -> dict[str, in
     (fp32 master weights count as optimizer state, as in the paper's K = 12)."""
     grouped = dict.fromkeys(COMPONENTS, 0)
     for entry, nbytes in memory.RECIPES[recipe].items():
-        grouped[memory._component(entry)] += nbytes
+        grouped[memory.component_of(entry)] += nbytes
     return grouped
 
 

@@ -20,31 +20,10 @@ import time
 import types
 
 import torch
-from torch._C._distributed_c10d import Work
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .traffic import CommunicationLog
-
-
-class ReleasingCommunicationLog(CommunicationLog):
-    """A CommunicationLog that lets go of a collective's handle once it has been waited on.
-    The plain log keeps every handle until it closes, and a gloo handle keeps its output
-    tensors alive: every all-gathered weight would then look held for the whole step."""
-
-    def __enter__(self):
-        super().__enter__()
-        recorded_wait, handles = Work.wait, self._handles
-
-        def wait_and_release(work, *args, **kwargs):
-            try:
-                return recorded_wait(work, *args, **kwargs)
-            finally:
-                handles.pop(id(work), None)
-
-        Work.wait = wait_and_release
-        return self
 
 
 # --- bytes held -------------------------------------------------------------------------------

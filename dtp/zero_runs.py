@@ -5,15 +5,12 @@ exercises' checks, the book and the tests all run these."""
 from __future__ import annotations
 
 import torch
-# A process imports torch._dynamo (1 to 2 s) the first time it builds a torch optimizer (torch wraps
-# Optimizer.add_param_group to keep the compiler out); every rank here builds an Adam. Imported once
-# here, before the ranks fork, it is not imported again in every rank of every world.
-import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 from torch import nn
 
 from .models import regression_batch, state_as_numpy, tiny_mlp
-from .zero_measure import FullTensorTracker, ReleasingCommunicationLog, clear_gradients, held_bytes, optimizers_in
+from .traffic import CommunicationLog
+from .zero_measure import FullTensorTracker, clear_gradients, held_bytes, optimizers_in
 
 ADAM = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-4}  # eps ≫ float32 rounding of a gradient near zero
 STEPS, ROWS_PER_RANK = 3, 4
@@ -71,7 +68,7 @@ def train_zero_rank(rank, world_size, stage, make, sizes, seed, batch_seed, step
     for step, (inputs, targets) in enumerate(batches(sizes, batch_seed, world_size, steps)):
         tracker.peaks.clear()
         tracker.grad_peaks.clear()
-        with ReleasingCommunicationLog() as log, tracker:
+        with CommunicationLog() as log, tracker:
             log.mark("forward")
             tracker.phase = "forward"
             loss = nn.functional.mse_loss(forward(inputs[rank_rows(rank)]), targets[rank_rows(rank)])

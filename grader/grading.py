@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dtp.world import import_lazy_torch_modules
+
 from . import guard
 from .compare import CheckFailed
 from .notebook import UnusableInput, extract_definitions, notebook_chapter, read_notebook
@@ -155,6 +157,7 @@ def grade_notebook(path: str, only: list[str] | None = None, timeout_s: float | 
         if not exercises:
             raise UnusableInput(f"{path}: none of the --only exercises belongs to its chapter, {chapter}")
     definitions = extract_definitions(notebook, {name for ex in exercises for name in ex.reads})
+    import_lazy_torch_modules()  # once here, so that no sandbox or rank forked from this process imports them
     report = NotebookReport(path=str(path), chapter=chapter)
     workdir = str(Path(path).resolve().parent)  # where the learner's kernel would have run
     for exercise in exercises:

@@ -14,7 +14,8 @@ from conftest import solution_path
 from dtp import memory, zero, zero_measure, zero_runs
 from dtp.models import tiny_mlp
 from dtp.world import run_world
-from dtp.zero_measure import FullTensorTracker, ReleasingCommunicationLog, held_bytes
+from dtp.traffic import CommunicationLog
+from dtp.zero_measure import FullTensorTracker, held_bytes
 from grader.student import StudentCode
 
 
@@ -219,7 +220,7 @@ def test_gloos_reduce_scatter_sends_what_an_all_reduce_sends(n):
 
 
 def _released_after_gather(rank, world_size):
-    with ReleasingCommunicationLog():
+    with CommunicationLog():
         full = torch.empty(4 * world_size)
         dist.all_gather_single(full, torch.ones(4))
         storage = StorageWeakRef(full.untyped_storage())

@@ -1,0 +1,337 @@
+"""A layout planner: for a model and a cluster, every layout (tp, pp, dp, ep, ZeRO stage,
+micro-batches) the chapter enumerates, its memory per GPU, the bytes each GPU sends per step on
+each link class, the pipeline bubble and an estimated step time, best first.
+
+Everything is built from the other chapters' closed forms (one source of truth):
+`dtp.calculator.memory_per_gpu` (memory of a dense GPT for a layout, from the memory and ZeRO
+chapters), `dtp.zero` (model states and gradient traffic per GPU), `dtp.tensor_parallel` (ring
+traffic of a layer), `dtp.pipeline` (bubble, boundary bytes), `dtp.moe` (capacity, all-to-all
+bytes) and `dtp.topology` (which link each dimension's groups ride). This module adds what they
+do not cover: MoE layers, whose experts are sharded EP ways inside DP, and the step time.
+
+The model: GPT blocks (`dtp.gpt`, untied output layer, no dropout); an MoE model replaces every
+block's MLP by E experts of the same shape and adds a router (h·E weights), tokens going to k
+experts. Layouts follow `dtp.topology.COURSE_ORDER`: TP innermost, then EP, PP, DP outermost.
+The assumptions of the step time are in `step_time` and on the chapter's page;
+tests/test_topology_planner.py checks the counts against torch models and the traffic against
+what gloo runs send.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from . import calculator, memory, moe, pipeline, tensor_parallel, zero
+from .gpt import GPTConfig
+from .topology import INTER_NODE, INTRA_NODE, dimension_links
+
+# The layout's fields, in the order the planner's rows list them.
+LAYOUT_FIELDS = ("tp", "pp", "dp", "ep", "zero_stage", "micro_batches")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A GPT (experts = 1) or an MoE GPT with `experts` experts per block, `top_k` per token."""
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    experts: int = 1
+    top_k: int = 1
+    mlp_ratio: int = 4  # a dense block's MLP width, in multiples of the hidden size
+    expert_hidden: int = 0  # an expert's MLP width; 0: the dense MLP's, mlp_ratio·hidden
+    capacity_factor: float = 1.0
+    name: str = ""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 1
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_hidden or self.mlp_ratio * self.hidden
+
+    @property
+    def config(self) -> GPTConfig:
+        """The dense GPT with one MLP per block, as dtp.calculator takes it."""
+        return GPTConfig(vocab_size=self.vocab, n_positions=self.seq, n_layers=self.layers, hidden=self.hidden,
+                         n_heads=self.heads, mlp_ratio=self.mlp_ratio, tied_embeddings=False, dropout=0.0)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Bandwidths are per GPU and per direction (a GPU sends at this rate while it receives)."""
+    nodes: int
+    gpus_per_node: int
+    memory_bytes: float
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    peak_flops: float
+    name: str = ""
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def bandwidth(self, link: str) -> float:
+        return self.intra_node_bytes_per_s if link == INTRA_NODE else self.inter_node_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Training:
+    global_batch: int  # sequences per step
+    micro_batch: int = 1  # sequences per micro-batch
+    recompute: str = "selective"
+    recipe: str = "mixed_adam"
+    flops_utilization: float = 0.5  # share of the peak the GPUs reach while they compute
+    bytes_per_value: int = 2  # activations, gradients and weights on the wire (bf16)
+
+
+@dataclass(frozen=True)
+class PlannedLayout:
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    zero_stage: int
+    micro_batches: int
+
+    def sizes(self, model: ModelShape) -> dict[str, int]:
+        """The layout as `dtp.topology` takes it (EP only for an MoE model)."""
+        sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        return {**sizes, "ep": self.ep} if model.is_moe else sizes
+
+    def order(self, model: ModelShape) -> tuple[str, ...]:
+        return ("tp", "ep", "pp", "dp") if model.is_moe else ("tp", "pp", "dp")
+
+
+# --- parameters -------------------------------------------------------------------------------
+
+def mlp_parameters(hidden: int, width: int) -> int:
+    return hidden * width + width + width * hidden + hidden  # two Linear layers with biases
+
+
+def parameter_counts(model: ModelShape) -> dict[str, int]:
+    """"total", "active" (per token: k experts per block), "experts" (all experts' parameters,
+    0 for a dense model) and "non_expert" (everything else: attention, norms, routers,
+    embeddings, and a dense model's MLPs)."""
+    dense = memory.gpt_parameter_count(model.config)
+    if not model.is_moe:
+        return {"total": dense, "active": dense, "experts": 0, "non_expert": dense}
+    h, layers = model.hidden, model.layers
+    expert = mlp_parameters(h, model.expert_width)
+    total = dense + layers * (model.experts * expert + h * model.experts - mlp_parameters(h, model.mlp_ratio * h))
+    experts = layers * model.experts * expert
+    return {"total": total, "active": total - layers * (model.experts - model.top_k) * expert, "experts": experts,
+            "non_expert": total - experts}
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+def mlp_activation_bytes_per_token(hidden: int, width: int) -> int:
+    """Bytes an MLP of `width` keeps per token in 16-bit activations (Korthikanti et al. 2022,
+    section 4.1): its input (2h), GeLU's input and output (2f each) and a 1-byte dropout mask on
+    its output (h): 3h + 4f, the 19h of their 34sbh when f = 4h."""
+    return 3 * hidden + 4 * width
+
+
+def moe_extra_activation_bytes_per_layer(model: ModelShape, training: Training, tp: int) -> float:
+    """What an MoE layer keeps beyond the dense layer dtp.calculator counts: the experts' MLP
+    activations for the cf·k routed copies of every token, in place of one dense MLP's, split t
+    ways (sequence parallel). Nothing with full recomputation, which keeps only the layer's input."""
+    if not model.is_moe or training.recompute == "full":
+        return 0.0
+    h = model.hidden
+    moe = model.capacity_factor * model.top_k * mlp_activation_bytes_per_token(h, model.expert_width)
+    dense = mlp_activation_bytes_per_token(h, model.mlp_ratio * h)
+    return (moe - dense) * model.seq * training.micro_batch / tp
+
+
+def memory_per_gpu(model: ModelShape, training: Training, layout: PlannedLayout, stage: str) -> dict[str, float]:
+    """Bytes by component on a GPU of the first or last pipeline stage: dtp.calculator's dense
+    figure (sequence parallelism on), with an MoE's model states split in two: the non-expert
+    parameters over t·p GPUs, ZeRO-sharded over the Nd DP ranks, and the experts over t·p·e
+    GPUs, ZeRO-sharded over the Nd/e ranks holding the same experts."""
+    dense_layout = calculator.Layout(layout.tp, layout.pp, layout.dp, layout.zero_stage, sequence_parallel=True,
+                                     recompute=training.recompute, micro_batch=training.micro_batch)
+    breakdown = calculator.memory_per_gpu(model.config, training.recipe, dense_layout, stage)
+    if not model.is_moe:
+        return breakdown
+    counts, model_parallel = parameter_counts(model), layout.tp * layout.pp
+    shared = zero.model_state_breakdown_per_gpu(counts["non_expert"] / model_parallel, layout.dp, layout.zero_stage,
+                                                training.recipe)
+    experts = zero.model_state_breakdown_per_gpu(counts["experts"] / (model_parallel * layout.ep),
+                                                 layout.dp // layout.ep, layout.zero_stage, training.recipe)
+    for component in zero.COMPONENTS:
+        breakdown[component] = shared[component] + experts[component]
+    in_flight = layout.pp if stage == "first" else 1
+    breakdown["activations"] += math.ceil(model.layers / layout.pp) * in_flight * \
+        moe_extra_activation_bytes_per_layer(model, training, layout.tp)
+    return breakdown
+
+
+def peak_memory_per_gpu(model: ModelShape, training: Training, layout: PlannedLayout) -> tuple[str, dict[str, float]]:
+    """The stage ("first" or "last") whose GPUs need the most memory, and its breakdown."""
+    stages = {stage: memory_per_gpu(model, training, layout, stage) for stage in ("first", "last")}
+    worst = max(stages, key=lambda stage: sum(stages[stage].values()))
+    return worst, stages[worst]
+
+
+# --- traffic ------------------------------------------------------------------------------------
+
+def traffic_per_gpu(model: ModelShape, cluster: Cluster, training: Training, layout: PlannedLayout) -> dict[str, dict]:
+    """Bytes one GPU sends per step for each group it belongs to, and the link they ride:
+    {"tp": {"bytes": ..., "link": "intra-node"}, "pp": ..., "dp": ..., "ep": ..., "expert_dp": ...}.
+    Ring collectives; PP for a GPU of an interior stage (the busiest); "dp" carries the non-expert
+    gradients (and weights, with ZeRO), "expert_dp" the experts'."""
+    t, p, e, m = layout.tp, layout.pp, layout.ep, layout.micro_batches
+    b, s, h, w = training.micro_batch, model.seq, model.hidden, training.bytes_per_value
+    stage_layers = model.layers // p
+    forwards = 2 if training.recompute == "full" else 1  # full recomputation runs each forward twice
+    passes = ("forward",) * forwards + ("backward",)
+    counts = parameter_counts(model)
+    traffic = {
+        "tp": stage_layers * m * tensor_parallel.ring_bytes_per_gpu_per_layer(b * s, h, t, w, passes),
+        # An interior stage sends each micro-batch's activation forward and its gradient backward; each of
+        # the stage's t GPUs sends 1/t of it (sequence parallel).
+        "pp": pipeline.boundary_bytes_per_step(m, b, s, h, w) * min(2, p - 1) / 2 / t,
+        "dp": zero.communication_bytes_per_gpu(counts["non_expert"] / (t * p), layout.dp, layout.zero_stage, w),
+    }
+    if model.is_moe:
+        # Experts are tensor-parallel like the dense MLP: the micro-batch's b·s tokens reach every GPU
+        # of the TP group (sequence parallelism all-gathers them, counted in "tp"), and each GPU
+        # exchanges all of them with the GPUs of its EP group that share its TP coordinate.
+        routed = b * s
+        capacity = moe.expert_capacity(routed, model.experts, model.top_k, model.capacity_factor)
+        all_to_alls = moe.capacity_all_to_all_bytes(e, model.experts, capacity, h, w)  # 4 per layer: fwd + bwd
+        traffic["ep"] = stage_layers * m * all_to_alls * (2 * forwards + 2) / 4
+        traffic["expert_dp"] = zero.communication_bytes_per_gpu(counts["experts"] / (t * p * e), layout.dp // e,
+                                                                layout.zero_stage, w)
+    links = dimension_links(layout.sizes(model), layout.order(model), cluster.gpus_per_node)
+    return {name: {"bytes": float(sent), "link": links[name]} for name, sent in traffic.items()}
+
+
+def bytes_by_link(traffic: dict[str, dict]) -> dict[str, float]:
+    totals = {INTRA_NODE: 0.0, INTER_NODE: 0.0}
+    for entry in traffic.values():
+        totals[entry["link"]] += entry["bytes"]
+    return totals
+
+
+# --- time -----------------------------------------------------------------------------------------
+
+def step_time(model: ModelShape, cluster: Cluster, training: Training, layout: PlannedLayout,
+              traffic: dict[str, dict] | None = None) -> dict[str, float]:
+    """Estimated seconds per step, by part. Assumptions:
+    - compute: the hardware FLOPs of the step (dtp.memory.hardware_flops_per_token of the active
+      parameters, recomputation included) spread evenly over the GPUs, at `flops_utilization`
+      of the peak;
+    - each dimension's traffic takes bytes / bandwidth of its link (per GPU, per direction),
+      with no latency term and no overlap with computation: all of it is exposed;
+    - TP and EP traffic lies inside each micro-batch's forward and backward, so the pipeline
+      stretches it with the compute by (m + p - 1)/m (1F1B with equal stages); PP transfers and
+      the DP gradient traffic (once per step) come on top.
+    total = (compute + tp + ep)·(m + p - 1)/m + pp + dp + expert_dp."""
+    counts = parameter_counts(model)
+    tokens = training.global_batch * model.seq
+    flops = memory.hardware_flops_per_token(counts["active"], model.layers, model.hidden, model.seq,
+                                            training.recompute) * tokens
+    parts = {"compute": flops / (cluster.gpus * cluster.peak_flops * training.flops_utilization)}
+    for name, entry in (traffic or traffic_per_gpu(model, cluster, training, layout)).items():
+        parts[name] = entry["bytes"] / cluster.bandwidth(entry["link"])
+    in_micro_batches = parts["compute"] + parts["tp"] + parts.get("ep", 0.0)
+    parts["bubble"] = in_micro_batches * pipeline.bubble_over_ideal(layout.pp, layout.micro_batches)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def model_flops_utilization(model: ModelShape, cluster: Cluster, training: Training, seconds: float) -> float:
+    """The MFU a step of `seconds` would reach: PaLM's model FLOPs (6N + 12Lhs per token, N the
+    active parameters) over what the GPUs could do at peak in that time."""
+    flops = memory.model_flops_per_token(parameter_counts(model)["active"], model.layers, model.hidden, model.seq)
+    return flops * training.global_batch * model.seq / (cluster.gpus * cluster.peak_flops * seconds)
+
+
+# --- the planner ------------------------------------------------------------------------------------
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(model: ModelShape, cluster: Cluster, training: Training) -> list[PlannedLayout]:
+    """Every layout the planner considers, fitting or not:
+    - tp divides the GPUs of a node, the heads and the sequence (TP stays inside a node;
+      sequence parallelism splits the sequence t ways);
+    - pp divides the layers (equal stages), and dp = GPUs / (tp·pp) is a whole number;
+    - ep divides dp and the experts (1 for a dense model);
+    - ZeRO stage 0 to 3 without pipelining, 0 or 1 with it (stages 2 and 3 would shard the
+      gradients that micro-batches accumulate into);
+    - micro-batches m = global batch / (dp · micro-batch size), a whole number, at least pp."""
+    layouts = []
+    for tp in divisors(cluster.gpus_per_node):
+        if model.heads % tp or model.seq % tp:
+            continue
+        for pp in divisors(model.layers):
+            if cluster.gpus % (tp * pp):
+                continue
+            dp = cluster.gpus // (tp * pp)
+            if training.global_batch % (dp * training.micro_batch):
+                continue
+            micro_batches = training.global_batch // (dp * training.micro_batch)
+            if micro_batches < pp:
+                continue
+            for ep in (divisors(math.gcd(dp, model.experts)) if model.is_moe else [1]):
+                for stage in (zero.STAGES if pp == 1 else (0, 1)):
+                    layouts.append(PlannedLayout(tp, pp, dp, ep, stage, micro_batches))
+    return layouts
+
+
+def evaluate(model: ModelShape, cluster: Cluster, training: Training, layout: PlannedLayout) -> dict:
+    """One row of the planner's table for `layout`, whether it fits or not."""
+    stage, breakdown = peak_memory_per_gpu(model, training, layout)
+    traffic = traffic_per_gpu(model, cluster, training, layout)
+    times = step_time(model, cluster, training, layout, traffic)
+    links = bytes_by_link(traffic)
+    return {**{field: getattr(layout, field) for field in LAYOUT_FIELDS},
+            "memory_bytes": sum(breakdown.values()), "memory_stage": stage,
+            "activation_bytes": breakdown["activations"], "fits": sum(breakdown.values()) <= cluster.memory_bytes,
+            "intra_node_bytes": links[INTRA_NODE], "inter_node_bytes": links[INTER_NODE],
+            "bubble": pipeline.bubble_fraction(layout.pp, layout.micro_batches), "step_time_s": times["total"],
+            "mfu": model_flops_utilization(model, cluster, training, times["total"]), "times": times,
+            "traffic": traffic}
+
+
+def plan(model: ModelShape, cluster: Cluster, training: Training) -> list[dict]:
+    """The layouts of `candidate_layouts` that fit in a GPU's memory, fastest estimated step first."""
+    rows = [evaluate(model, cluster, training, layout) for layout in candidate_layouts(model, cluster, training)]
+    return sorted((row for row in rows if row["fits"]),
+                  key=lambda row: (row["step_time_s"], *[row[field] for field in LAYOUT_FIELDS]))
+
+
+# --- the chapter's clusters and models ----------------------------------------------------------
+
+# NVIDIA A100 SXM datasheet: NVLink 3 "600GB/s" is both directions over 12 links (25 GB/s each
+# way per link), so 300 GB/s leave a GPU; 312 TFLOP/s of dense bf16 (624 with 2:4 sparsity).
+# DGX A100: one InfiniBand HDR port per GPU, 200 Gb/s per direction.
+NVLINK3_PER_DIRECTION_BYTES_PER_S = 600e9 / 2
+INFINIBAND_HDR_GBIT_PER_S = 200
+A100_BF16_DENSE_FLOPS = 312e12
+
+A100_CLUSTER = Cluster(nodes=128, gpus_per_node=8, memory_bytes=memory.GPU_MEMORY_MIB["A100 80GB"] * 2**20,
+                       intra_node_bytes_per_s=NVLINK3_PER_DIRECTION_BYTES_PER_S,
+                       inter_node_bytes_per_s=tensor_parallel.gigabits_to_bytes_per_s(INFINIBAND_HDR_GBIT_PER_S),
+                       peak_flops=A100_BF16_DENSE_FLOPS, name="128 nodes of 8 A100 80GB")
+H100_CLUSTER = Cluster(nodes=128, gpus_per_node=8, memory_bytes=memory.GPU_MEMORY_MIB["H100 80GB"] * 2**20,
+                       intra_node_bytes_per_s=tensor_parallel.NVLINK4_PER_DIRECTION_BYTES_PER_S,
+                       inter_node_bytes_per_s=tensor_parallel.gigabits_to_bytes_per_s(
+                           tensor_parallel.INFINIBAND_NDR_GBIT_PER_S),
+                       peak_flops=tensor_parallel.H100_BF16_DENSE_FLOPS, name="128 nodes of 8 H100 80GB")
+
+# Llama 2 70B's depth and width (80 layers, h = 8192, 64 heads, 32000 tokens, 4096 positions)
+# with GPT-2 blocks; and the same backbone with 16 experts of width 2.25h per block, top-2:
+# the source notes' "409B MoE", whose shape they do not give.
+DENSE_70B = ModelShape(layers=80, hidden=8192, heads=64, vocab=32000, seq=4096, name="70B-class dense GPT")
+MOE_409B = ModelShape(layers=80, hidden=8192, heads=64, vocab=32000, seq=4096, experts=16, top_k=2,
+                      expert_hidden=18432, name="409B MoE GPT (16 experts, top-2)")
+FOUR_MILLION_TOKENS = Training(global_batch=1024)  # 1024 sequences of 4096 tokens per step

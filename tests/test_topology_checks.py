@@ -1,0 +1,363 @@
+"""Every check of the topology chapter rejects plausible wrong answers with feedback that names the
+mistake, and accepts correct answers written differently from the course's."""
+import nbformat
+import pytest
+
+from conftest import grade, solution_path
+
+
+def solution_cell(name: str) -> str:
+    """The source of the solution notebook's cell that defines `name`."""
+    for cell in nbformat.read(solution_path("topology"), as_version=4).cells:
+        if cell.cell_type == "code" and (f"def {name}(" in cell.source or f"class {name}(" in cell.source):
+            return cell.source
+    raise KeyError(name)
+
+
+def variant(name: str, old: str, new: str) -> str:
+    source = solution_cell(name)
+    assert old in source, old
+    return source.replace(old, new)
+
+
+def graded(tmp_notebook, exercise_id, replacements):
+    return grade(tmp_notebook("topology", replacements), exercise_id)[exercise_id]
+
+
+def assert_fails(result, feedback, status="failed"):
+    assert result.status == status and result.points == 0, result
+    assert feedback in result.feedback, result
+
+
+# --- exercise 1: coordinates, groups, mesh arguments ---
+
+LAYOUT = "rank_coordinates"
+EP_MULTIPLIED = variant(LAYOUT, '''        if name == "dp" and "ep" in sizes:
+            dimensions.append(("expert_dp", sizes["dp"] // sizes["ep"]))
+        else:
+            dimensions.append((name, sizes[name]))''', '''        dimensions.append((name, sizes[name]))  # EP as a fourth dimension of its own''').replace(
+    '''    world = math.prod(size for name, size in sizes.items() if name != "ep")''',
+    '''    world = math.prod(sizes.values())''').replace('''    if "ep" in sizes:
+        varying["dp"] = ["ep", "expert_dp"]''', '''    if "ep" in sizes:
+        varying["expert_dp"] = ["dp"]''').replace('''    if "ep" in sizes:
+        inner, outer''', '''    if False:
+        inner, outer''')
+
+
+@pytest.mark.parametrize("source, feedback", [
+    (variant(LAYOUT, "for name, size in laid_out(sizes, order):\n        rest, coordinates",
+             "for name, size in reversed(laid_out(sizes, order)):\n        rest, coordinates"), "order reversed"),
+    (variant(LAYOUT, "outermost_first = list(reversed(laid_out(sizes, order)))", "outermost_first = laid_out(sizes, order)"),
+     "outermost first"),
+    (variant(LAYOUT, 'coordinates["dp"] = coordinates[inner] + dict(laid_out(sizes, order))[inner] * coordinates[outer]',
+             'coordinates["dp"] = coordinates["expert_dp"]'), 'Only "dp" is wrong'),
+    (variant(LAYOUT, "        groups[name] = [[first + member for member in members]",
+             "        groups[name] = [[first + member for member in reversed(members)]"), "in another form"),
+    (EP_MULTIPLIED, "EP is carved out of DP"),
+    (variant(LAYOUT, '        varying["dp"] = ["ep", "expert_dp"]', '        varying["dp"] = ["expert_dp"]'),
+     "That is the expert_dp group"),
+], ids=["order-read-outermost-first", "mesh-not-reversed", "dp-coordinate-is-expert-dp", "unsorted-groups",
+        "ep-multiplied-into-the-world", "dp-group-is-expert-dp"])
+def test_rank_layout_rejects(tmp_notebook, source, feedback):
+    assert_fails(graded(tmp_notebook, "topology.rank_layout", {LAYOUT: source}), feedback)
+
+
+LAYOUT_WITH_NUMPY = '''
+def laid_out(sizes, order):
+    rest = sizes["dp"] // sizes.get("ep", 1)
+    return [("expert_dp", rest) if name == "dp" and "ep" in sizes else (name, sizes[name]) for name in order]
+
+
+def rank_coordinates(rank, sizes, order):
+    # numpy's unravel_index on the mesh's shape (outermost first), read back innermost first
+    shape, names = device_mesh_arguments(sizes, order)
+    digits = dict(zip(names, (int(d) for d in np.unravel_index(rank, shape))))
+    if "ep" in sizes:
+        position = [name for name in names if name in ("ep", "expert_dp")]  # outer one first
+        digits["dp"] = int(np.ravel_multi_index([digits[n] for n in position], [dict(zip(names, shape))[n] for n in position]))
+    return digits
+
+
+def parallel_groups(sizes, order):
+    shape, names = device_mesh_arguments(sizes, order)
+    grid = np.arange(int(np.prod(shape))).reshape(shape)
+    along = {name: [name] for name in names}
+    if "ep" in sizes:
+        along["dp"] = ["ep", "expert_dp"]
+    result = {}
+    for name, dims in along.items():
+        axes = [names.index(d) for d in dims]
+        moved = np.moveaxis(grid, axes, list(range(grid.ndim - len(axes), grid.ndim)))
+        groups = np.sort(moved.reshape(-1, int(np.prod([shape[a] for a in axes]))), axis=1)
+        result[name] = sorted(groups.tolist())
+    return result
+
+
+def device_mesh_arguments(sizes, order):
+    dims = laid_out(sizes, order)[::-1]
+    return tuple(s for _, s in dims), tuple(n for n, _ in dims)
+'''
+
+LAYOUT_BY_BRUTE_FORCE = '''
+def laid_out(sizes, order):
+    return [("expert_dp", sizes["dp"] // sizes["ep"]) if name == "dp" and "ep" in sizes else (name, sizes[name])
+            for name in order]
+
+
+def rank_coordinates(rank, sizes, order):
+    stride, coordinates = 1, {}
+    for name, size in laid_out(sizes, order):
+        coordinates[name] = (rank // stride) % size
+        stride *= size
+    if "ep" in sizes:  # the position among the sorted ranks of its DP group
+        coordinates["dp"] = next(group for group in parallel_groups(sizes, order)["dp"] if rank in group).index(rank)
+    return coordinates
+
+
+def _digits(rank, sizes, order):
+    stride, digits = 1, {}
+    for name, size in laid_out(sizes, order):
+        digits[name] = (rank // stride) % size
+        stride *= size
+    return digits
+
+
+def parallel_groups(sizes, order):
+    world = 1
+    for name, size in laid_out(sizes, order):
+        world *= size
+    names = [name for name, _ in laid_out(sizes, order)]
+    varying = {name: (name,) for name in names}
+    if "ep" in sizes:
+        varying["dp"] = ("ep", "expert_dp")
+    groups = {}
+    for name, along in varying.items():
+        found = set()
+        for rank in range(world):
+            mine = _digits(rank, sizes, order)
+            found.add(tuple(other for other in range(world)
+                            if all(_digits(other, sizes, order)[n] == mine[n] for n in names if n not in along)))
+        groups[name] = sorted(list(group) for group in found)
+    return groups
+
+
+def device_mesh_arguments(sizes, order):
+    dims = list(reversed(laid_out(sizes, order)))
+    return tuple(size for _, size in dims), tuple(name for name, _ in dims)
+'''
+
+
+@pytest.mark.parametrize("source", [LAYOUT_WITH_NUMPY, LAYOUT_BY_BRUTE_FORCE], ids=["numpy-unravel", "brute-force"])
+def test_rank_layout_accepts_other_correct_layouts(tmp_notebook, source):
+    result = graded(tmp_notebook, "topology.rank_layout", {LAYOUT: source})
+    assert result.status == "passed", result
+
+
+# --- exercise 2: links ---
+
+LINKS_BY_SIZE = '''
+def dimension_links(sizes, order, gpus_per_node):
+    # a group fits in a node if it is no larger than a node (ignores where it starts)
+    return {name: "intra-node" if max(r for r in groups[0]) - groups[0][0] < gpus_per_node else "inter-node"
+            for name, groups in parallel_groups(sizes, order).items()}
+'''
+
+LINKS_TP_ALWAYS_INSIDE = variant("dimension_links", '''        links[name] = "intra-node" if inside else "inter-node"''',
+                                 '''        links[name] = "intra-node" if inside or name == "tp" else "inter-node"''')
+
+
+@pytest.mark.parametrize("source, feedback", [
+    (LINKS_BY_SIZE, "spans nodes"),
+    (LINKS_TP_ALWAYS_INSIDE, "spans nodes"),
+    (variant("dimension_links", "group[0] // gpus_per_node == group[-1] // gpus_per_node",
+             "group[0] % gpus_per_node <= group[-1] % gpus_per_node"), "expected"),
+], ids=["span-not-position", "tp-always-inside", "modulo-instead-of-division"])
+def test_links_reject(tmp_notebook, source, feedback):
+    assert_fails(graded(tmp_notebook, "topology.links", {"dimension_links": source}), feedback)
+
+
+LINKS_WITH_SETS = '''
+def dimension_links(sizes, order, gpus_per_node):
+    links = {}
+    for name, groups in parallel_groups(sizes, order).items():
+        nodes = [{rank // gpus_per_node for rank in group} for group in groups]
+        links[name] = "inter-node" if any(len(n) > 1 for n in nodes) else "intra-node"
+    return links
+'''
+
+
+LINKS_WITH_NUMPY = """
+def dimension_links(sizes, order, gpus_per_node):
+    return {name: "intra-node" if np.ptp(np.array(groups) // gpus_per_node, axis=1).max() == 0 else "inter-node"
+            for name, groups in parallel_groups(sizes, order).items()}
+"""
+
+
+@pytest.mark.parametrize("source", [LINKS_WITH_SETS, LINKS_WITH_NUMPY], ids=["sets-of-nodes", "numpy-ptp"])
+def test_links_accept_other_correct_answers(tmp_notebook, source):
+    assert graded(tmp_notebook, "topology.links", {"dimension_links": source}).status == "passed"
+
+
+# --- exercise 3: the planner ---
+
+PLANNER = "plan_layouts"
+
+
+@pytest.mark.parametrize("old, new, feedback", [
+    ('parts["activations"] += held * per_token * s * b / tp\n        totals.append(sum(parts.values()))',
+     'parts["activations"] += held * per_token * s * b / tp\n        parts["activations"] = 0.0\n'
+     '        totals.append(sum(parts.values()))', "Without the activations it would fit"),
+    ('"bubble": (pp - 1) / (m + pp - 1)', '"bubble": (pp - 1) / m', "(p-1)/(m+p-1)"),
+    ("return sorted(rows, key=lambda row: row[\"step_time_s\"])",
+     "return sorted(rows, key=lambda row: -row[\"step_time_s\"])", "best (fastest) first"),
+    ("for stage in ((0, 1, 2, 3) if pp == 1 else (0, 1)):", "for stage in (0, 1):", "leaves out"),
+    ("links = links or dimension_links(sizes, order, cluster.gpus_per_node)",
+     "links = dimension_links(sizes, order[::-1], cluster.gpus_per_node)", "node_bytes"),
+    ("gathers = 3 if stage == 3 else 2", "gathers = 2", "expected"),
+    ('"pp": min(2, pp - 1) * m * message / tp,', '"pp": 2 * m * message / tp,', "expected"),
+], ids=["activations-ignored", "bubble-over-ideal", "slowest-first",
+        "zero-2-and-3-forgotten", "tp-outermost-links", "zero-3-sends-like-zero-2", "pp-edge-stages"])
+def test_planner_rejects(tmp_notebook, old, new, feedback):
+    source = variant(PLANNER, old, new)
+    assert_fails(graded(tmp_notebook, "topology.planner", {PLANNER: source}), feedback)
+
+
+PLANNER_EP_MULTIPLIED = solution_cell(PLANNER) + '''
+
+_right_plan = plan_layouts
+
+
+def plan_layouts(model, cluster, training):
+    # EP as a factor of its own: for each ep > 1, dp = GPUs / (tp·pp·ep)
+    rows = _right_plan(model, cluster, training)
+    extra = []
+    for row in rows:
+        for ep in divisors(min(row["dp"], model.experts))[1:]:
+            if row["dp"] % ep == 0:
+                extra.append(dict(row, dp=row["dp"] // ep, ep=ep))
+    return sorted(rows + extra, key=lambda row: row["step_time_s"])
+'''
+
+
+def test_planner_rejects_ep_multiplied_into_the_world(tmp_notebook):
+    assert_fails(graded(tmp_notebook, "topology.planner", {PLANNER: PLANNER_EP_MULTIPLIED}), "EP is carved out of DP")
+
+
+PLANNER_WITH_PRODUCT_AND_TIE_BREAK = solution_cell(PLANNER) + '''
+
+import itertools as _itertools
+
+
+def plan_layouts(model, cluster, training):
+    # Enumerates with itertools.product, keeps extra keys, breaks ties by the smallest memory.
+    rows = []
+    for tp, pp, stage in _itertools.product(divisors(cluster.gpus_per_node), divisors(model.layers), range(4)):
+        if model.heads % tp or model.seq % tp or cluster.gpus % (tp * pp) or (pp > 1 and stage > 1):
+            continue
+        dp = cluster.gpus // (tp * pp)
+        if training.global_batch % (dp * training.micro_batch):
+            continue
+        m = training.global_batch // (dp * training.micro_batch)
+        for ep in [e for e in range(1, dp + 1) if dp % e == 0 and model.experts % e == 0] if model.experts > 1 else [1]:
+            if m >= pp:
+                row = layout_row(model, cluster, training, (tp, pp, dp, ep, stage, m))
+                if row["memory_bytes"] <= cluster.memory_bytes:
+                    rows.append(dict(row, fits=True))
+    return sorted(rows, key=lambda row: (row["step_time_s"], row["memory_bytes"]))
+'''
+
+
+PLANNER_WITH_THE_CALCULATOR_S_PEAK = variant(PLANNER, """    totals = []
+    for where in ("first", "last"):""", """    # a dense model: the calculator's peak as it is; an MoE model: each stage adjusted, as the course does
+    totals = [] if is_moe else [sum(calculator.peak_memory_per_gpu(model.config, training.recipe, dense_layout)[1].values())]
+    for where in (("first", "last") if is_moe else ()):""")
+
+
+@pytest.mark.parametrize("source", [PLANNER_WITH_PRODUCT_AND_TIE_BREAK, PLANNER_WITH_THE_CALCULATOR_S_PEAK],
+                         ids=["product-and-tie-break", "calculator-peak"])
+def test_planner_accepts_other_correct_planners(tmp_notebook, source):
+    result = graded(tmp_notebook, "topology.planner", {PLANNER: source})
+    assert result.status == "passed", result
+
+
+# --- exercise 4: DP × TP training ---
+
+TRAINING = "train_dp_tp"
+
+
+@pytest.mark.parametrize("old, new, feedback", [
+    ('sizes, order = {"tp": tp, "dp": dp}, ["tp", "dp"]', 'sizes, order = {"tp": tp, "dp": dp}, ["dp", "tp"]',
+     "would be its group with TP outermost"),
+    ("            parameter.grad /= dp\n", "", "divide the all-reduced gradients by dp"),
+    ("        total = grad.contiguous().clone()\n        dist.all_reduce(total, group=ctx.group)\n        return total, None",
+     "        return grad, None", "f's backward"),
+    ('dist.all_reduce(parameter.grad, group=mine["dp"])', "dist.all_reduce(parameter.grad)",
+     "neither its TP group"),
+    ('return ReduceFromGroup.apply(F.linear(x, parameters["4.weight"]), mine["tp"]) + parameters["4.bias"]',
+     'return ReduceFromGroup.apply(F.linear(x, parameters["4.weight"], parameters["4.bias"]), mine["tp"])',
+     "losses at step 1 (before any update"),
+], ids=["tp-outermost", "dp-gradients-summed", "f-without-all-reduce", "gradients-over-the-world",
+        "row-bias-added-t-times"])
+def test_dp_tp_training_rejects(tmp_notebook, old, new, feedback):
+    assert_fails(graded(tmp_notebook, "topology.dp_tp_training", {TRAINING: variant(TRAINING, old, new)}), feedback)
+
+
+TRAINING_WITH_DEVICE_MESH_AND_ONE_BUCKET = variant(TRAINING, '''    mine = {}
+    for name, groups in parallel_groups(sizes, order).items():
+        for ranks in groups:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[name] = group
+''', '''    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    mine = {"tp": mesh.get_group("tp"), "dp": mesh.get_group("dp")}
+''').replace('''        for parameter in parameters.values():
+            dist.all_reduce(parameter.grad, group=mine["dp"])
+            parameter.grad /= dp
+''', '''        flat = torch.cat([p.grad.reshape(-1) for p in parameters.values()]) / dp  # one all-reduce per step
+        dist.all_reduce(flat, group=mine["dp"])
+        for p, piece in zip(parameters.values(), flat.split([p.numel() for p in parameters.values()])):
+            p.grad.copy_(piece.view_as(p))
+''')
+
+
+TRAINING_WITH_ASYNC_GRADIENT_AVERAGES = variant(TRAINING, """        for parameter in parameters.values():
+            dist.all_reduce(parameter.grad, group=mine["dp"])
+            parameter.grad /= dp
+""", """        handles = [dist.all_reduce(p.grad, group=mine["dp"], async_op=True) for p in parameters.values()]
+        for handle in handles:
+            handle.wait()
+        for p in parameters.values():
+            p.grad.div_(dp)
+""")
+
+
+@pytest.mark.parametrize("source", [TRAINING_WITH_DEVICE_MESH_AND_ONE_BUCKET, TRAINING_WITH_ASYNC_GRADIENT_AVERAGES],
+                         ids=["device-mesh-one-bucket", "async-all-reduces"])
+def test_dp_tp_training_accepts_other_correct_runs(tmp_notebook, source):
+    result = graded(tmp_notebook, "topology.dp_tp_training", {TRAINING: source})
+    assert result.status == "passed", result
+
+
+# --- exercise 5: numeric questions ---
+
+ANSWERS = "interview_ep_group_nodes"
+
+
+@pytest.mark.parametrize("old, new, feedback", [
+    ('interview_ep_group_nodes = len(', 'interview_ep_group_nodes = 1 or len(', "TP = 8 fills"),
+    ('["memory_bytes"] / 2**30', '["memory_bytes"] / 1e9', "answer in GiB"),
+    ('interview_step_time_ratio = (', 'interview_step_time_ratio = 1 / (', "the question asks"),
+], ids=["ep-inside-the-node", "memory-in-gb", "ratio-inverted"])
+def test_interview_rejects(tmp_notebook, old, new, feedback):
+    notebook = nbformat.read(solution_path("topology"), as_version=4)
+    cell = next(c.source for c in notebook.cells if c.cell_type == "code" and "interview_ep_group_nodes =" in c.source)
+    assert old in cell
+    assert_fails(graded(tmp_notebook, "topology.interview", {ANSWERS: cell.replace(old, new)}), feedback)
+
+
+def test_interview_accepts_answers_typed_as_numbers(tmp_notebook):
+    from grader.checks.topology import INTERVIEW_ANSWERS, interview_oracle
+
+    typed = "\n".join(f"{name} = {interview_oracle()[name]!r}" for name in INTERVIEW_ANSWERS)
+    assert graded(tmp_notebook, "topology.interview", {ANSWERS: typed}).status == "passed"

@@ -1,0 +1,167 @@
+"""The planner's closed forms: parameter counts against torch models built on the meta device,
+memory against dtp.calculator (the dense case) and by hand (MoE), the step time by hand, the
+enumeration against a brute force, and the ranked table's invariants."""
+import itertools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dtp import calculator, memory, moe, pipeline, tensor_parallel, zero
+from dtp import topology_planner as planner
+from dtp.gpt import GPT
+
+SMALL_MOE = planner.ModelShape(layers=4, hidden=64, heads=4, vocab=100, seq=32, experts=8, top_k=2,
+                               expert_hidden=96, capacity_factor=1.25)
+
+
+class ExpertMLPs(nn.Module):
+    """What the planner counts in place of a block's MLP: a bias-free router and E GPT MLPs of width f."""
+
+    def __init__(self, hidden: int, width: int, experts: int):
+        super().__init__()
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(hidden, width), nn.GELU(), nn.Linear(width, hidden))
+                                     for _ in range(experts))
+
+
+def meta_numel(model: planner.ModelShape) -> tuple[int, int]:
+    """(all parameters, one expert's) of the model built on the meta device."""
+    with torch.device("meta"):
+        gpt = GPT(model.config)
+        if model.is_moe:
+            for block in gpt.blocks:
+                block.mlp = ExpertMLPs(model.hidden, model.expert_width, model.experts)
+    expert = sum(p.numel() for p in gpt.blocks[0].mlp.experts[0].parameters()) if model.is_moe else 0
+    return sum(p.numel() for p in gpt.parameters()), expert
+
+
+@pytest.mark.parametrize("model", [planner.DENSE_70B, planner.MOE_409B, SMALL_MOE,
+                                   planner.ModelShape(6, 128, 8, 500, 64, experts=4, top_k=1)],
+                         ids=["dense-70B", "moe-409B", "small-moe", "moe-top-1"])
+def test_parameter_counts_are_the_torch_model_s(model):
+    counts = planner.parameter_counts(model)
+    total, expert = meta_numel(model)
+    assert counts["total"] == total
+    assert counts["experts"] == model.layers * model.experts * expert * model.is_moe
+    assert counts["active"] == total - model.layers * (model.experts - model.top_k) * expert * model.is_moe
+    assert counts["non_expert"] + counts["experts"] == total
+
+
+def test_the_chapter_s_models_have_the_sizes_the_page_names():
+    assert round(planner.parameter_counts(planner.MOE_409B)["total"] / 1e9) == 409
+    assert round(planner.parameter_counts(planner.DENSE_70B)["total"] / 1e9) == 65
+    assert planner.A100_CLUSTER.memory_bytes == 80 * 2**30 and planner.A100_CLUSTER.gpus == 1024
+
+
+def test_an_mlp_keeps_korthikanti_s_19_sbh_when_its_width_is_4h():
+    assert planner.mlp_activation_bytes_per_token(1000, 4000) == 19 * 1000
+
+
+LAYOUTS = [planner.PlannedLayout(8, 8, 16, 1, 1, 64), planner.PlannedLayout(4, 1, 256, 1, 3, 4),
+           planner.PlannedLayout(2, 4, 128, 1, 0, 8)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_dense_model_s_memory_is_the_calculator_s(layout, recompute):
+    training = planner.Training(global_batch=1024, recompute=recompute)
+    stage, breakdown = planner.peak_memory_per_gpu(planner.DENSE_70B, training, layout)
+    expected = calculator.peak_memory_per_gpu(planner.DENSE_70B.config, "mixed_adam", calculator.Layout(
+        layout.tp, layout.pp, layout.dp, layout.zero_stage, True, recompute, 1))
+    assert (stage, breakdown) == expected
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_an_moe_model_s_memory_by_hand(recompute):
+    model, training = SMALL_MOE, planner.Training(global_batch=64, micro_batch=2, recompute=recompute)
+    layout = planner.PlannedLayout(tp=2, pp=2, dp=8, ep=4, zero_stage=1, micro_batches=4)
+    counts = planner.parameter_counts(model)
+    h, f, s, b, t, p, d, e = 64, 96, 32, 2, 2, 2, 8, 4
+    # mixed-precision Adam, ZeRO-1: 2 + 2 bytes per parameter kept, 12 sharded over the group holding the same copy
+    states = (4 * counts["non_expert"] + 12 * counts["non_expert"] / d) / (t * p) + \
+        (4 * counts["experts"] + 12 * counts["experts"] / (d // e)) / (t * p * e)
+    dense_activations = memory.activation_bytes_per_layer(s, b, h, 4, tensor_parallel=t, sequence_parallel=True,
+                                                          recompute=recompute)
+    extra = 0 if recompute == "full" else (1.25 * 2 * (3 * h + 4 * f) - 19 * h) * s * b / t
+    first = planner.memory_per_gpu(model, training, layout, "first")
+    assert sum(first[c] for c in zero.COMPONENTS) == pytest.approx(states, rel=1e-12)
+    assert first["activations"] == pytest.approx(2 * p * (dense_activations + extra), rel=1e-12)  # 2 layers, p held
+    last = planner.memory_per_gpu(model, training, layout, "last")
+    assert last["activations"] == pytest.approx(2 * (dense_activations + extra), rel=1e-12)
+    assert last["logits"] == 4 * s * b * 100 / t
+
+
+def test_the_step_time_by_hand():
+    """One MoE layout on four nodes of 4: every term computed here from the definitions."""
+    model, training = SMALL_MOE, planner.Training(global_batch=64, micro_batch=1, flops_utilization=0.4)
+    cluster = planner.Cluster(nodes=4, gpus_per_node=4, memory_bytes=80 * 2**30, intra_node_bytes_per_s=200e9,
+                              inter_node_bytes_per_s=20e9, peak_flops=100e12)
+    layout = planner.PlannedLayout(tp=2, pp=2, dp=4, ep=2, zero_stage=1, micro_batches=16)
+    counts = planner.parameter_counts(model)
+    s, h, w, L, m = 32, 64, 2, 4, 16
+    message = s * h * w
+    tp_bytes = (L // 2) * m * 4 * message  # 4 all-reduces per layer, 2(t-1)/t = 1 for t = 2
+    pp_bytes = 1 * m * message / 2  # two stages: one direction, 1/t of each activation
+    dp_bytes = 2 * (3 / 4) * counts["non_expert"] / 4 * w  # ring: 2(d-1)/d of the GPU's non-expert parameters
+    expert_dp_bytes = 2 * (1 / 2) * counts["experts"] / 8 * w  # over d/e = 2 ranks, experts split t·p·e = 8 ways
+    capacity = math.ceil(1.25 * s * 2 / 8)
+    ep_bytes = (L // 2) * m * 4 * (1 / 2) * 8 * capacity * h * w  # each all-to-all sends (e-1)/e of E·C rows
+    # Rank strides: tp 1, ep 2, pp 4, expert_dp 8. Nodes of 4: TP ([0, 1]) and EP ([0, 2]) inside; PP ([0, 4]),
+    # expert_dp ([0, 8]) and DP ([0, 2, 8, 10]) across.
+    compute = memory.hardware_flops_per_token(counts["active"], L, h, s, "selective") * 64 * s / (16 * 100e12 * 0.4)
+    in_micro_batches = compute + tp_bytes / 200e9 + ep_bytes / 200e9
+    total = in_micro_batches * (m + 1) / m + (pp_bytes + dp_bytes + expert_dp_bytes) / 20e9
+    times = planner.step_time(model, cluster, training, layout)
+    assert times["total"] == pytest.approx(total, rel=1e-12)
+    row = planner.evaluate(model, cluster, training, layout)
+    assert row["intra_node_bytes"] == pytest.approx(tp_bytes + ep_bytes, rel=1e-12)
+    assert row["inter_node_bytes"] == pytest.approx(pp_bytes + dp_bytes + expert_dp_bytes, rel=1e-12)
+    assert row["bubble"] == pipeline.bubble_fraction(2, 16) == 1 / 17
+
+
+def test_tp_traffic_is_the_tensor_chapter_s_and_full_recomputation_repeats_the_forward():
+    model = planner.DENSE_70B
+    layout = planner.PlannedLayout(8, 4, 32, 1, 1, 32)
+    selective = planner.traffic_per_gpu(model, planner.A100_CLUSTER, planner.Training(1024), layout)["tp"]["bytes"]
+    full = planner.traffic_per_gpu(model, planner.A100_CLUSTER, planner.Training(1024, recompute="full"),
+                                   layout)["tp"]["bytes"]
+    per_layer = tensor_parallel.ring_bytes_per_gpu_per_layer(4096, 8192, 8)
+    assert selective == 20 * 32 * per_layer
+    assert full == selective * 6 / 4
+
+
+def test_ep_traffic_is_the_expert_chapter_s_all_to_all_bytes():
+    layout = planner.PlannedLayout(8, 8, 16, 8, 1, 64)
+    traffic = planner.traffic_per_gpu(planner.MOE_409B, planner.H100_CLUSTER, planner.FOUR_MILLION_TOKENS, layout)
+    capacity = moe.expert_capacity(4096, 16, 2, 1.0)
+    assert traffic["ep"]["bytes"] == 10 * 64 * moe.capacity_all_to_all_bytes(8, 16, capacity, 8192, 2)
+    assert traffic["ep"]["link"] == "inter-node"  # TP fills the node: the EP group spans 8 nodes
+
+
+def brute_force_candidates(model, cluster, training):
+    found = []
+    for tp, pp, ep, stage in itertools.product(range(1, 9), range(1, model.layers + 1), range(1, 17), range(4)):
+        dp, rest = divmod(cluster.gpus, tp * pp)
+        if rest or cluster.gpus_per_node % tp or model.heads % tp or model.seq % tp or model.layers % pp:
+            continue
+        if dp % ep or model.experts % ep or (not model.is_moe and ep > 1) or (pp > 1 and stage > 1):
+            continue
+        m, rest = divmod(training.global_batch, dp * training.micro_batch)
+        if not rest and m >= pp:
+            found.append(planner.PlannedLayout(tp, pp, dp, ep, stage, m))
+    return found
+
+
+@pytest.mark.parametrize("model", [planner.DENSE_70B, planner.MOE_409B], ids=["dense", "moe"])
+def test_the_enumeration_and_the_ranked_table(model):
+    cluster, training = planner.A100_CLUSTER, planner.FOUR_MILLION_TOKENS
+    candidates = planner.candidate_layouts(model, cluster, training)
+    assert sorted(candidates, key=str) == sorted(brute_force_candidates(model, cluster, training), key=str)
+    rows = planner.plan(model, cluster, training)
+    fitting = [planner.evaluate(model, cluster, training, c) for c in candidates]
+    assert len(rows) == sum(row["fits"] for row in fitting) > 0
+    assert all(row["memory_bytes"] <= cluster.memory_bytes for row in rows)
+    assert [row["step_time_s"] for row in rows] == sorted(row["step_time_s"] for row in rows)
+    assert 0 < rows[0]["mfu"] < planner.FOUR_MILLION_TOKENS.flops_utilization

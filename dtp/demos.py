@@ -117,7 +117,38 @@ def expert_parallel(world_size: int) -> str:
             f"all-to-alls, equals the single-process layer (relative difference {worst:.1e})")
 
 
-DEMOS = {"dp": (4, data_parallel), "tp": (2, tensor_parallel), "pp": (4, pipeline_parallel), "ep": (2, expert_parallel)}
+def _zero_rank(rank, world_size, sizes=(8, 30, 29, 4)):
+    from . import zero_runs
+
+    course = course_solutions("06_zero.ipynb")
+    return [zero_runs.train_zero_rank(rank, world_size, stage, make, sizes, 0, 100)["states"][-1]
+            for stage, make in ((1, course.ZeRO1Adam), (2, course.ZeRO2Adam), (3, course.ZeRO3Module))]
+
+
+def zero_redundancy(world_size: int, sizes=(8, 30, 29, 4)) -> str:
+    from . import zero, zero_runs
+    from .models import tiny_mlp
+
+    reference = zero_runs.single_process_adam(sizes, 0, zero_runs.batches(sizes, 100, world_size), world_size)
+    expected = np.concatenate([np.ravel(t) for t in reference["states"][-1].values()])
+    by_rank = run_world(_zero_rank, world_size, (sizes,))
+    worst = 0.0
+    for stage in range(3):
+        states = [rank[stage] for rank in by_rank]
+        if stage < 2:  # ZeRO-1 and -2 keep the whole model on every rank
+            for state in states:
+                worst = max(worst, float(np.abs(np.concatenate([np.ravel(t) for t in state.values()]) - expected).max()))
+        else:  # ZeRO-3 keeps one piece of each unit per rank: reassemble them
+            parameter_sizes = [p.numel() for p in tiny_mlp(sizes).parameters()]
+            units = zero.units_from_pieces([np.size(piece) for piece in states[0]], parameter_sizes, world_size, ordered=True)
+            full = np.concatenate(zero.unshard(states, units))
+            worst = max(worst, float(np.abs(full - expected).max()))
+    return (f"{world_size} ranks: ZeRO-1, ZeRO-2 and ZeRO-3 trained with Adam equal single-process Adam "
+            f"(largest difference {worst:.1e})")
+
+
+DEMOS = {"dp": (4, data_parallel), "tp": (2, tensor_parallel), "pp": (4, pipeline_parallel), "ep": (2, expert_parallel),
+         "zero": (4, zero_redundancy)}
 
 
 def main(argv=None) -> int:

@@ -141,6 +141,7 @@ def kill_descendants(give_up_after_s: float = 10.0) -> None:
 
 
 MEMORY_BUDGET_BYTES = 4 * 2**30  # per process of an exercise, beyond what the sandbox holds when it starts
+LARGEST_FILE_BYTES = 2**30  # no file the learner's code writes may grow past this (the disk is shared)
 _memory_cap_bytes: int | None = None  # set in a sandbox
 
 
@@ -174,6 +175,8 @@ def _sandbox_main(task, writer, to_grader, scratch_dir: str, workdir: str | None
     _drop_privileges()
     import torch
     _cap_memory()
+    # Python ignores SIGXFSZ, so a write past the limit fails with OSError (File too large).
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LARGEST_FILE_BYTES, LARGEST_FILE_BYTES))
     # A forked copy of a parent's OpenMP thread pool (a kernel that ran torch ops) can hang on its
     # first parallel region; one thread avoids that pool, and checks are small anyway.
     torch.set_num_threads(1)

@@ -7,7 +7,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-CACHE  := _build/.jupyter_cache
+# Jupyter Book's executed pages, and Sphinx's record of what it has read: dropping both makes
+# every page execute again (dropping the first alone re-executes only the pages whose text changed).
+CACHE  := _build/.jupyter_cache _build/.doctrees
 # What the pages execute: when any of it changes, cached page outputs are stale.
 PAGE_INPUTS := $(shell find dtp grader -name '*.py') $(wildcard solutions/*.ipynb) requirements.txt
 

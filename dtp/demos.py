@@ -147,8 +147,19 @@ def zero_redundancy(world_size: int, sizes=(8, 30, 29, 4)) -> str:
             f"(largest difference {worst:.1e})")
 
 
+def three_dimensional(world_size: int) -> str:
+    from .topology_training import run_3d
+
+    if world_size != 8:
+        raise ValueError("the topology demo is a DP × PP × TP = 2 × 2 × 2 layout: 8 processes")
+    run = run_3d({"dp": 2, "pp": 2, "tp": 2}, n_steps=4)
+    worst = max(abs(a - b) for a, b in zip(run["losses"], run["reference"]))
+    return (f"{world_size} ranks: a tiny GPT trained with DP × PP × TP = 2 × 2 × 2 has the losses of single-process "
+            f"training (largest difference {worst:.1e}; {run['losses'][0]:.3f} to {run['losses'][-1]:.3f})")
+
+
 DEMOS = {"dp": (4, data_parallel), "tp": (2, tensor_parallel), "pp": (4, pipeline_parallel), "ep": (2, expert_parallel),
-         "zero": (4, zero_redundancy)}
+         "zero": (4, zero_redundancy), "topology": (8, three_dimensional)}
 
 
 def main(argv=None) -> int:

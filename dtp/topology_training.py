@@ -265,8 +265,6 @@ def run_3d(sizes: dict[str, int], config: GPTConfig = TINY_GPT, seed: int = 0, n
     from .world import run_world
 
     batches = text_batches(n_steps, batch, config.n_positions, seed)
-    # First, in this process: torch.optim imports torch._dynamo on first use (seconds); done here,
-    # before the fork, every rank inherits it instead of importing it on two cores at once.
     reference = single_process_losses(config, seed, batches, lr)
     world = sizes["dp"] * sizes["pp"] * sizes["tp"]
     ranks = run_world(train_3d_rank, world, (sizes, config, seed, batches, lr, micro_batches), **world_options)

@@ -527,8 +527,6 @@ class DataTensorParallelTraining(Check):
         return worlds
 
     def collect(self, student, worlds):
-        # torch.optim imports torch._dynamo on first use (a second or more): once here, not in every rank.
-        import torch._dynamo  # noqa: F401
         return run_worlds(_dp_tp_on_rank, [(dp * tp, (student.train_dp_tp, dp, tp, case)) for dp, tp, case in worlds])
 
     def judge(self, worlds, outcomes) -> str:

@@ -9,7 +9,6 @@ when `run_world` returns or raises (also on Ctrl-C or its own timeout) no rank p
 from __future__ import annotations
 
 import atexit
-import ctypes
 import multiprocessing.connection
 import os
 import pickle
@@ -26,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .processes import die_with_parent
 
 
 class WorldError(RuntimeError):
@@ -44,22 +45,10 @@ class WorldError(RuntimeError):
 _PEER_LOST_MARKERS = ("timed out", "timeout", "connection closed by peer", "connection reset", "broken pipe")
 
 
-_PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
 # Which failure to report when several ranks fail: the cause before its consequences.
 _FAILURE_PRIORITY = {"raised": 0, "exited": 1, "collective_timeout": 2, "timeout": 3}
 _GRACE_AFTER_FAILURE_S = 1.0
-
-
-def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
-    """Have Linux send `sig` (SIGKILL by default) to this process when its parent dies, even by
-    SIGKILL, so that a killed grader or kernel leaves no rank or sandbox running. Elsewhere, a no-op."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def free_port() -> int:

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .notebook import UnusableInput
+from .notebook import UnusableInput, read_course_notebook
 from .registry import all_exercise_ids
 from .report import format_table, write_json
 from .sandbox import make_undumpable
@@ -32,6 +32,10 @@ def _notebook_paths(paths: list[str]) -> list[tuple[Path, bool]]:
         else:
             found.append((path, True))
     return found
+
+
+def _reason(exc: Exception, path: Path) -> str:
+    return str(exc) if isinstance(exc, UnusableInput) else f"{path}: {exc.strerror or exc}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,23 +85,32 @@ def _grade(args) -> int:
     # Learner code runs as this user: it must not reach this process's stdout or memory through /proc.
     make_undumpable()
     try:
-        from .grading import grade_notebook  # imports torch: after argument errors are reported
-
         if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
             raise UnusableInput(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-        if args.only:
-            unknown = sorted(set(args.only) - set(all_exercise_ids()))
-            if unknown:
-                raise UnusableInput(f"unknown exercise id(s): {', '.join(unknown)}")
-        reports, skipped = [], []
+        usable, skipped = [], []
         for path, named in _notebook_paths(args.paths):
             try:
-                report = grade_notebook(str(path), args.only, args.timeout)
+                read_course_notebook(path)  # read now: input that cannot be graded is reported before torch loads
+                usable.append((path, named))
             except (UnusableInput, OSError) as exc:
                 if named:
                     raise
                 # A stray Untitled.ipynb or an unreadable file in a folder must not stop the others.
-                skipped.append(str(exc) if isinstance(exc, UnusableInput) else f"{path}: {exc.strerror or exc}")
+                skipped.append(_reason(exc, path))
+        from .grading import grade_notebook  # imports torch and the chapters' checks
+
+        if args.only:
+            unknown = sorted(set(args.only) - set(all_exercise_ids()))
+            if unknown:
+                raise UnusableInput(f"unknown exercise id(s): {', '.join(unknown)}")
+        reports = []
+        for path, named in usable:
+            try:
+                report = grade_notebook(str(path), args.only, args.timeout)
+            except (UnusableInput, OSError) as exc:  # --only ids of another chapter, a file changed meanwhile
+                if named:
+                    raise
+                skipped.append(_reason(exc, path))
                 continue
             print(format_table(report), flush=True)
             reports.append(report)

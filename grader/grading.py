@@ -12,8 +12,8 @@ from dtp.world import import_lazy_torch_modules
 
 from . import guard
 from .compare import CheckFailed
-from .notebook import UnusableInput, extract_definitions, notebook_chapter, read_notebook
-from .registry import CHAPTER_MODULES, Exercise, chapter_exercises
+from .notebook import UnusableInput, extract_definitions, read_course_notebook
+from .registry import Exercise, chapter_exercises
 from .report import ExerciseResult, NotebookReport, one_line
 from .sandbox import run_isolated
 from .student import MissingDefinition, StudentCode
@@ -145,12 +145,7 @@ def grade_exercise(exercise: Exercise, load_student, timeout_s: float | None = N
 def grade_notebook(path: str, only: list[str] | None = None, timeout_s: float | None = None) -> NotebookReport:
     """Grade every exercise (or those in `only`) of the notebook at `path`."""
     started = time.monotonic()
-    notebook = read_notebook(path)
-    chapter = notebook_chapter(notebook)
-    if chapter not in CHAPTER_MODULES:
-        known = ", ".join(CHAPTER_MODULES)
-        what = f"chapter {chapter!r} is unknown" if chapter else "it names no chapter (metadata dtp.chapter)"
-        raise UnusableInput(f"{path}: not a course notebook: {what}; known chapters: {known}")
+    notebook, chapter = read_course_notebook(path)
     exercises = chapter_exercises(chapter)
     if only:
         exercises = [ex for ex in exercises if ex.id in only]

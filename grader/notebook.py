@@ -17,14 +17,13 @@ import symtable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
 
 
 class UnusableInput(Exception):
     """The input cannot be graded at all (missing file, not a notebook, unknown chapter)."""
 
 
-def read_notebook(path: str | Path) -> nbformat.NotebookNode:
+def read_notebook(path: str | Path) -> "nbformat.NotebookNode":
     """Read and validate a notebook; raise UnusableInput with a one-line reason otherwise."""
     path = Path(path)
     if not path.exists():
@@ -41,6 +40,8 @@ def read_notebook(path: str | Path) -> nbformat.NotebookNode:
         raise UnusableInput(f"{path}: not a notebook (not valid JSON: {exc})") from None
     if not isinstance(raw, dict) or "cells" not in raw or "nbformat" not in raw:
         raise UnusableInput(f"{path}: not a notebook (JSON without 'cells' and 'nbformat')")
+    import nbformat  # only now: input that is not even a notebook is reported without loading it (a second)
+
     try:
         notebook = nbformat.reads(json.dumps(_without_lone_surrogates(raw)), as_version=4)
         minor = notebook.get("nbformat_minor", 0)
@@ -70,7 +71,20 @@ def _without_lone_surrogates(value):
     return value
 
 
-def notebook_chapter(notebook: nbformat.NotebookNode) -> str | None:
+def read_course_notebook(path: str | Path) -> tuple["nbformat.NotebookNode", str]:
+    """A notebook of one of the course's chapters, and its chapter; UnusableInput otherwise."""
+    from .registry import CHAPTER_MODULES
+
+    notebook = read_notebook(path)
+    chapter = notebook_chapter(notebook)
+    if chapter not in CHAPTER_MODULES:
+        known = ", ".join(CHAPTER_MODULES)
+        what = f"chapter {chapter!r} is unknown" if chapter else "it names no chapter (metadata dtp.chapter)"
+        raise UnusableInput(f"{path}: not a course notebook: {what}; known chapters: {known}")
+    return notebook, chapter
+
+
+def notebook_chapter(notebook: "nbformat.NotebookNode") -> str | None:
     """The chapter a notebook belongs to, from the metadata the course writes into every notebook."""
     course = notebook.metadata.get("dtp")
     chapter = course.get("chapter") if isinstance(course, dict) else None
@@ -260,7 +274,7 @@ def _python_source(cell_source: str) -> str:
     return TransformerManager().transform_cell(cell_source)
 
 
-def extract_definitions(notebook: nbformat.NotebookNode, graded_names=frozenset()) -> Definitions:
+def extract_definitions(notebook: "nbformat.NotebookNode", graded_names=frozenset()) -> Definitions:
     """The statements to run for grading; `graded_names` are the names the checks will read."""
     found = Definitions()
     top_level: list[tuple[int, ast.stmt]] = []

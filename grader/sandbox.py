@@ -30,7 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from dtp.world import die_with_parent
+from dtp.processes import die_with_parent
 
 from . import transport
 

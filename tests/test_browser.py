@@ -80,6 +80,9 @@ class PageVisit:
 
         self.page.route("**/*", route)
         self.page.goto(url, wait_until="load")
+        if url.endswith("/index.html"):  # the book's index redirects to its first page
+            self.page.wait_for_url(lambda address: not address.endswith("/index.html"))
+            self.page.wait_for_load_state("load")
         self.page.wait_for_function("!window.MathJax || (window.MathJax.startup && window.MathJax.startup.promise)")
         self.page.evaluate("window.MathJax && window.MathJax.startup ? window.MathJax.startup.promise : null")
 

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from .notebook import UnusableInput, read_course_notebook
-from .registry import all_exercise_ids
+from .registry import find_exercise
 from .report import format_table, write_json
 from .sandbox import make_undumpable
 
@@ -99,8 +99,8 @@ def _grade(args) -> int:
                 skipped.append(_reason(exc, path))
         from .grading import grade_notebook  # imports torch and the chapters' checks
 
-        if args.only:
-            unknown = sorted(set(args.only) - set(all_exercise_ids()))
+        if args.only:  # loads only the chapters the ids name
+            unknown = sorted(exercise_id for exercise_id in set(args.only) if find_exercise(exercise_id) is None)
             if unknown:
                 raise UnusableInput(f"unknown exercise id(s): {', '.join(unknown)}")
         reports = []

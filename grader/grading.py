@@ -152,7 +152,8 @@ def grade_notebook(path: str, only: list[str] | None = None, timeout_s: float | 
         if not exercises:
             raise UnusableInput(f"{path}: none of the --only exercises belongs to its chapter, {chapter}")
     definitions = extract_definitions(notebook, {name for ex in exercises for name in ex.reads})
-    import_lazy_torch_modules()  # once here, so that no sandbox or rank forked from this process imports them
+    if any(exercise.check.runs_world for exercise in exercises):
+        import_lazy_torch_modules()  # once here, so that no sandbox or rank forked from this process imports them
     report = NotebookReport(path=str(path), chapter=chapter)
     workdir = str(Path(path).resolve().parent)  # where the learner's kernel would have run
     for exercise in exercises:

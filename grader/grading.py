@@ -142,6 +142,30 @@ def grade_exercise(exercise: Exercise, load_student, timeout_s: float | None = N
     return ExerciseResult(exercise.id, points, exercise.points, status, one_line(feedback))
 
 
+# Libraries a notebook may import that are safe to import in the grader's own process: each
+# sandbox is forked from it, so what is imported here once is not imported again per exercise
+# (a notebook importing the course's widgets pulls in matplotlib and ipywidgets: most of a second).
+PRELOADED_PACKAGES = ("dtp", "torch", "numpy", "matplotlib", "ipywidgets", "IPython")
+
+
+def preload_library_imports(definitions) -> None:
+    """Import, here, the libraries the notebook's import statements name; never a module of the
+    learner's own (which would run their code in the grader)."""
+    import ast
+    import importlib
+
+    for statement in definitions.statements:
+        node = statement.node
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        for name in names:
+            if name.split(".")[0] in PRELOADED_PACKAGES:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - the sandbox will report the learner's broken import
+                    pass
+
+
 def grade_notebook(path: str, only: list[str] | None = None, timeout_s: float | None = None) -> NotebookReport:
     """Grade every exercise (or those in `only`) of the notebook at `path`."""
     started = time.monotonic()
@@ -152,6 +176,7 @@ def grade_notebook(path: str, only: list[str] | None = None, timeout_s: float | 
         if not exercises:
             raise UnusableInput(f"{path}: none of the --only exercises belongs to its chapter, {chapter}")
     definitions = extract_definitions(notebook, {name for ex in exercises for name in ex.reads})
+    preload_library_imports(definitions)
     if any(exercise.check.runs_world for exercise in exercises):
         import_lazy_torch_modules()  # once here, so that no sandbox or rank forked from this process imports them
     report = NotebookReport(path=str(path), chapter=chapter)

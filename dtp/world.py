@@ -15,7 +15,6 @@ import pickle
 import re
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -51,21 +50,36 @@ _FAILURE_PRIORITY = {"raised": 0, "exited": 1, "collective_timeout": 2, "timeout
 _GRACE_AFTER_FAILURE_S = 1.0
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _rendezvous_store(rank: int, world_size: int, result_dir: str, timeout: timedelta) -> dist.TCPStore:
+    """The world's key-value store, served by rank 0 on a port the kernel gives it (port 0) and
+    announced to the other ranks through result_dir. No port is chosen before it is bound, so two
+    worlds started at once (two graders on one machine) can neither collide on a port nor join
+    each other's store."""
+    port_file = os.path.join(result_dir, "store-port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(port_file + ".tmp", port_file)
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not os.path.exists(port_file):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for rank 0 to open the world's store ({timeout.total_seconds():g}s)")
+        time.sleep(0.002)
+    with open(port_file) as f:
+        port = int(f.read())
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
 
 
-def _rank_entry(rank, fn, world_size, args, port, result_dir, collective_timeout_s, launcher_pid):
+def _rank_entry(rank, fn, world_size, args, result_dir, collective_timeout_s, launcher_pid):
     """Body of one rank process: join the group, run fn, leave its outcome in result_dir."""
     die_with_parent(launcher_pid)
     torch.set_num_threads(1)  # ranks share few cores; more threads would only contend
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=collective_timeout_s))
+        timeout = timedelta(seconds=collective_timeout_s)
+        store = _rendezvous_store(rank, world_size, result_dir, timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             outcome = ("ok", fn(rank, world_size, *args))
         finally:
@@ -125,14 +139,7 @@ def run_world(fn, world_size: int, args: tuple = (), *, timeout_s: float = 60.0,
         # Forked ranks would inherit this process's group and could not create their own.
         raise RuntimeError("a process group is already initialized in this process (did the notebook call "
                            "dist.init_process_group?); call dist.destroy_process_group() or restart the kernel")
-    for attempt in range(3):
-        try:
-            return _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s)
-        except WorldError as err:
-            # Another program took the port between free_port() and rank 0 binding it: retry.
-            if "address already in use" in str(err).lower() and attempt < 2:
-                continue
-            raise
+    return _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s)
 
 
 def import_lazy_torch_modules() -> None:
@@ -185,7 +192,7 @@ def _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s):
     context = None
     try:
         context = mp.start_processes(
-            _rank_entry, args=(fn, world_size, args, free_port(), result_dir, collective_timeout_s, os.getpid()),
+            _rank_entry, args=(fn, world_size, args, result_dir, collective_timeout_s, os.getpid()),
             nprocs=world_size, join=False, start_method="fork")
         waiting = {proc.sentinel: rank for rank, proc in enumerate(context.processes)}
         deadline = time.monotonic() + timeout_s

@@ -17,7 +17,11 @@ def one_line(text: str) -> str:
     """Feedback as one line of printable text: the learner's exception messages reach it, and
     they must not be able to add lines to the grader's table."""
     text = re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+", " ", str(text)).strip()
-    return text if len(text) <= MAX_FEEDBACK_CHARS else text[:MAX_FEEDBACK_CHARS - 1] + "…"
+    if len(text) <= MAX_FEEDBACK_CHARS:
+        return text
+    # Cut the middle: a diagnosis comes first and a hint usually last, long values in between.
+    head, tail = MAX_FEEDBACK_CHARS * 2 // 3, MAX_FEEDBACK_CHARS // 3 - 3
+    return f"{text[:head]} … {text[-tail:]}"
 
 
 @dataclass

@@ -108,6 +108,6 @@ def test_many_graders_at_once(tmp_path):
         assert grader.returncode == 0, grader.stderr.read()
     for i in range(4):
         notebook = json.loads((tmp_path / f"{i}.json").read_text())["notebooks"][0]
-        assert notebook["score"] == notebook["max_score"] == 3
+        assert notebook["score"] == notebook["max_score"] == 3, notebook["exercises"]
     time.sleep(0.5)
     assert all(live_processes_with_marker(marker) == [] for marker in markers)

@@ -125,3 +125,13 @@ def test_table_has_one_line_per_exercise_with_the_whole_feedback():
     assert len(lines) == 2 + 2 + 1
     assert lines[2].endswith("did you forget the all-gather phase?") and "0/2" in lines[2]
     assert lines[-1] == "  total 1/3 in 0.0s"
+
+
+def test_feedback_too_long_for_one_line_keeps_its_diagnosis_and_hint():
+    from grader.report import MAX_FEEDBACK_CHARS, one_line
+
+    groups = [[rank, rank + 18, rank + 36] for rank in range(18)]
+    text = f"parallel_groups(...)['dp'] = {groups * 3}, expected {groups * 3}. That is the expert_dp group"
+    shortened = one_line(text)
+    assert len(shortened) <= MAX_FEEDBACK_CHARS and "…" in shortened
+    assert shortened.startswith("parallel_groups(...)['dp'] = ") and shortened.endswith("That is the expert_dp group")

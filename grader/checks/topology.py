@@ -227,7 +227,16 @@ def _judge_groups(sizes, order, groups) -> None:
         elif "ep" in sizes and name == "dp" and answer == expected.get("expert_dp"):
             hint = (" That is the expert_dp group: the whole DP group holds the ranks that differ in either of DP's "
                     "two factors, ep and expert_dp")
-        raise CheckFailed(f"parallel_groups({what})[{name!r}] = {answer}, expected {right}.{hint}")
+        raise CheckFailed(f"parallel_groups({what})[{name!r}]: {_first_difference(answer, right)}.{hint}")
+
+
+def _first_difference(answer: list, right: list) -> str:
+    """The first group that differs, not the whole lists: a world of 54 ranks has groups enough to
+    push the diagnosis past the one-line feedback's length."""
+    for index, (got, wanted) in enumerate(zip(answer, right)):
+        if got != wanted:
+            return f"group {index} of {len(answer)} is {got}, expected {wanted}"
+    return f"{len(answer)} groups, expected {len(right)}"
 
 
 def _judge_mesh_arguments(sizes, order, answer) -> None:

@@ -79,6 +79,17 @@ def describe_call(function: str, args: tuple, kwargs: dict) -> str:
     return f"{function}({', '.join(parts)})"
 
 
+class FixedAnswers(Check):
+    """An interview question with fixed numbers, answered in the notebook's variables `reads`:
+    the sandbox hands over their values and `judge` compares them. A copied number passes such a
+    check, so it is worth few points."""
+
+    timeout_s = 15
+
+    def collect(self, student, inputs):
+        return [getattr(student, name) for name in self.reads]
+
+
 class FormulaCheck(Check):
     """A learner's function of numbers, called on random arguments drawn by `cases` and compared
     with `expected`; a wrong answer that equals a known slip gets that slip's feedback.

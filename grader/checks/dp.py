@@ -22,7 +22,7 @@ from dtp.traffic import CommunicationLog
 from ..compare import CheckFailed, expect, expect_answer, expect_close
 from ..dataflow import check_ring_dataflow, check_ring_neighbours
 from ..registry import Check, exercise
-from .common import FormulaCheck, completed_worlds, events_as_data, raise_world_failure, run_worlds
+from .common import FixedAnswers, FormulaCheck, completed_worlds, events_as_data, raise_world_failure, run_worlds
 
 DDP_CLASS = "torch.nn.parallel.DistributedDataParallel"
 
@@ -574,16 +574,12 @@ INTERVIEW = dict(parameters=1.3e9, bytes_per_gradient=2, gpus=64, link_bandwidth
 
 
 @exercise("dp.interview", points=1)
-class Interview(Check):
+class Interview(FixedAnswers):
     """Verifies: bytes each GPU sends in a ring all-reduce of fp16 gradients, and the time on
     links of a given bandwidth. Fakes: a fixed question, so a copied number passes; it is worth
     one point for that reason."""
 
     reads = ("interview_bytes_sent_per_gpu", "interview_allreduce_ms")
-    timeout_s = 15
-
-    def collect(self, student, inputs):
-        return [student.interview_bytes_sent_per_gpu, student.interview_allreduce_ms]
 
     def judge(self, inputs, answers) -> str:
         q = INTERVIEW

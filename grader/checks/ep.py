@@ -18,7 +18,7 @@ from dtp.traffic import CommunicationLog
 
 from ..compare import CheckFailed, expect, expect_answer, expect_close
 from ..registry import Check, exercise
-from .common import FormulaCheck, completed_worlds, events_as_data, raise_world_failure, run_worlds
+from .common import FixedAnswers, FormulaCheck, completed_worlds, events_as_data, raise_world_failure, run_worlds
 
 ROUTING_REFERENCES = ("dtp.moe.top_k_routing", "dtp.moe.softmax")
 LAYER_REFERENCES = ("dtp.moe.moe_layer", "dtp.moe.moe_layer_torch", "dtp.moe.dispatch_and_combine",
@@ -881,16 +881,12 @@ INTERVIEW_ANSWERS = ("interview_capacity", "interview_total_parameters_b", "inte
 
 
 @exercise("ep.interview", points=2)
-class Interview(Check):
+class Interview(FixedAnswers):
     """Verifies: five fixed answers (a capacity, Mixtral 8x7B's total and active parameters from
     dtp.moe's counts, which tests check against a torch model's numel, and the source notes'
     layout). Fakes: a fixed question, so a copied number passes; it is worth two points for that."""
 
     reads = INTERVIEW_ANSWERS
-    timeout_s = 15
-
-    def collect(self, student, inputs):
-        return [getattr(student, name) for name in INTERVIEW_ANSWERS]
 
     def judge(self, inputs, answers) -> str:
         capacity, total, active, gpus, copies = answers

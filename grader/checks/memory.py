@@ -12,7 +12,7 @@ from dtp.gpt import GPTConfig, build_on_meta, count_parameters
 
 from ..compare import CheckFailed, expect_answer
 from ..registry import Check, exercise
-from .common import FormulaCheck, describe_call
+from .common import FixedAnswers, FormulaCheck, describe_call
 
 
 def _random_configs(rng, count: int = 8) -> list[GPTConfig]:
@@ -206,15 +206,11 @@ INTERVIEW_ANSWERS = ("interview_70b_model_states_tb", "interview_largest_model_o
 
 
 @exercise("memory.interview", points=2)
-class Interview(Check):
+class Interview(FixedAnswers):
     """Verifies: three fixed interview answers. Fakes: a fixed question, so a copied number
     passes; it is worth two points for that reason."""
 
     reads = INTERVIEW_ANSWERS
-    timeout_s = 15
-
-    def collect(self, student, inputs):
-        return [getattr(student, name) for name in INTERVIEW_ANSWERS]
 
     def judge(self, inputs, answers) -> str:
         tb, largest, days = answers

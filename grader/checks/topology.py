@@ -24,7 +24,7 @@ from dtp.traffic import CommunicationLog
 
 from ..compare import CheckFailed, expect, expect_answer, expect_close
 from ..registry import Check, exercise
-from .common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+from .common import FixedAnswers, completed_worlds, events_as_data, raise_world_failure, run_worlds
 
 LAYOUT_REFERENCES = ("dtp.topology.rank_coordinates", "dtp.topology.parallel_groups",
                      "dtp.topology.device_mesh_arguments", "dtp.topology.coordinates_to_rank",
@@ -658,7 +658,7 @@ def interview_oracle() -> dict[str, float]:
 
 
 @exercise("topology.interview", points=2)
-class Interview(Check):
+class Interview(FixedAnswers):
     """Verifies: five answers about the source notes' 409B MoE layout on 1024 H100s (TP 8, EP 8,
     PP 8, DP 16, ZeRO-1): the nodes an EP group spans with TP = 8 and with TP = 1, the memory per
     GPU, the EP all-to-all time per step and the step time over the planner's best, all from
@@ -666,10 +666,6 @@ class Interview(Check):
     is worth two points for that."""
 
     reads = INTERVIEW_ANSWERS
-    timeout_s = 15
-
-    def collect(self, student, inputs):
-        return [getattr(student, name) for name in INTERVIEW_ANSWERS]
 
     def judge(self, inputs, answers) -> str:
         right = interview_oracle()

@@ -22,7 +22,7 @@ from dtp.traffic import CommunicationLog
 
 from ..compare import CheckFailed, expect, expect_answer, expect_close
 from ..registry import Check, exercise
-from .common import completed_worlds, describe_call, events_as_data, raise_world_failure, run_worlds
+from .common import FixedAnswers, completed_worlds, describe_call, events_as_data, raise_world_failure, run_worlds
 
 # PyTorch's own tensor parallelism (DTensor): each exercise asks for what these do. (Not loss_parallel:
 # a @contextmanager, whose source file the guard would take to be the standard library's contextlib.py.)
@@ -897,17 +897,13 @@ INTERVIEW = dict(tokens=4096, hidden=8192, bytes_per_element=2, t=8)
 
 
 @exercise("tp.interview", points=2)
-class Interview(Check):
+class Interview(FixedAnswers):
     """Verifies: four fixed answers about the source notes' example: MiB per all-reduce, MiB each
     GPU sends per layer (forward and backward, ring), and that traffic's time at NVLink-4's 450
     GB/s per direction and at InfiniBand NDR's 400 Gb/s. Fakes: a fixed question, so a copied
     number passes; it is worth two points for that reason."""
 
     reads = INTERVIEW_ANSWERS
-    timeout_s = 15
-
-    def collect(self, student, inputs):
-        return [getattr(student, name) for name in INTERVIEW_ANSWERS]
 
     def judge(self, inputs, answers) -> str:
         q = INTERVIEW

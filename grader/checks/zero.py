@@ -17,7 +17,7 @@ from dtp.models import tiny_mlp
 
 from ..compare import CheckFailed, expect, expect_answer, expect_close
 from ..registry import Check, exercise
-from .common import completed_worlds, describe_call, raise_world_failure, run_worlds
+from .common import FixedAnswers, completed_worlds, describe_call, raise_world_failure, run_worlds
 
 # --- 1. memory per GPU ------------------------------------------------------------------------
 
@@ -520,15 +520,11 @@ INTERVIEW_ANSWERS = ("interview_70b_zero3_gb_per_gpu_on_8", "interview_70b_fewes
 
 
 @exercise("zero.interview", points=2)
-class Interview(Check):
+class Interview(FixedAnswers):
     """Verifies: five fixed interview answers (the source notes' 70B examples among them).
     Fakes: a fixed question, so a copied number passes; it is worth two points for that reason."""
 
     reads = INTERVIEW_ANSWERS
-    timeout_s = 15
-
-    def collect(self, student, inputs):
-        return [getattr(student, name) for name in INTERVIEW_ANSWERS]
 
     def judge(self, inputs, answers) -> str:
         per_gpu_8, fewest, saving, zero2_1024, traffic = answers

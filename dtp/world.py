@@ -81,6 +81,9 @@ def _rank_entry(rank, fn, world_size, args, result_dir, collective_timeout_s, la
         store = _rendezvous_store(rank, world_size, result_dir, timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
+            # Every rank has finished joining before any runs fn: a rank whose fn returns at once
+            # would otherwise close its connections while a slower peer is still setting them up.
+            dist.barrier()
             outcome = ("ok", fn(rank, world_size, *args))
         finally:
             dist.destroy_process_group()

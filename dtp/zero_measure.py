@@ -142,7 +142,7 @@ def held_bytes(parameters, **roots) -> dict:
 
 # --- full weights and gradients over time -----------------------------------------------------
 
-_SETTLE_ATTEMPTS, _SETTLE_PAUSE_S = 50, 0.001
+_SETTLE_ATTEMPTS, _SETTLE_PAUSE_S = 200, 0.001
 
 # c10d operations whose first argument receives data from other ranks.
 _RECEIVING = {"allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_coalesced_",
@@ -228,6 +228,12 @@ class FullTensorTracker(TorchDispatchMode):
             time.sleep(_SETTLE_PAUSE_S)
             alive = self._alive_bytes(refs)
         return alive
+
+    def sample_settled(self) -> None:
+        """Record, under the current phase, the bytes of full weights alive once gloo has let go
+        (the end of a phase, where a buffer gloo has not yet dropped would be counted as kept)."""
+        if self.history is not None:
+            self.history.append((self.phase, self._settled_bytes(self.full)))
 
     def full_bytes_alive(self) -> int:
         """Bytes of full weights alive now (after any collective has settled)."""

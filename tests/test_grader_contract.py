@@ -135,3 +135,17 @@ def test_feedback_too_long_for_one_line_keeps_its_diagnosis_and_hint():
     shortened = one_line(text)
     assert len(shortened) <= MAX_FEEDBACK_CHARS and "…" in shortened
     assert shortened.startswith("parallel_groups(...)['dp'] = ") and shortened.endswith("That is the expert_dp group")
+
+
+def test_slips_that_coincide_for_the_drawn_inputs_are_all_named():
+    from grader.compare import CheckFailed, expect_answer
+
+    p, m, v = 2, 6, 2  # here the source notes' (p-1)/(v·m + p - 2) equals Megatron's (p-1)/(v·m)
+    slips = {"relative to the ideal time": (p - 1) / (v * m), "the source notes' slip": (p - 1) / (v * m + p - 2),
+             "ignores the v chunks": (p - 1) / (m + p - 1)}
+    with pytest.raises(CheckFailed) as failed:
+        expect_answer((p - 1) / (v * m + p - 2), (p - 1) / (v * m + p - 1), "bubble_fraction(2, 6, 2)", slips=slips)
+    assert "relative to the ideal time" in str(failed.value) and "the source notes' slip" in str(failed.value)
+    assert "ignores the v chunks" not in str(failed.value)
+    with pytest.raises(CheckFailed, match="ignores the v chunks$"):
+        expect_answer((p - 1) / (m + p - 1), (p - 1) / (v * m + p - 1), "bubble_fraction(2, 6, 2)", slips=slips)

@@ -3,6 +3,7 @@ the memory chapter's parameter count is checked against, and whose block's saved
 the book measures. Layer names follow GPT-2 (pre-LayerNorm blocks, learned positions)."""
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -99,5 +100,21 @@ def count_parameters(model: nn.Module) -> int:
 
 def build_on_meta(config: GPTConfig) -> GPT:
     """The model with no storage allocated: shapes and counts of even a 175B model, instantly."""
-    with torch.device("meta"):
+    with torch.device("meta"), _parameters_left_uninitialised():
         return GPT(config)
+
+
+@contextlib.contextmanager
+def _parameters_left_uninitialised():
+    """Meta tensors hold no values, so initialising them only costs time: torch routes the
+    initialisers on the meta device through its reference implementations, whose first call
+    imports its compiler (more than a second in a fresh process, such as the grader's)."""
+    layers = (nn.Linear, nn.Embedding, nn.LayerNorm)
+    initialisers = {layer: layer.reset_parameters for layer in layers}
+    for layer in layers:
+        layer.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        for layer, initialiser in initialisers.items():
+            layer.reset_parameters = initialiser

@@ -25,8 +25,10 @@ def graded(tmp_notebook, exercise_id, replacements):
 
 
 def assert_fails(result, feedback, status="failed"):
+    """`feedback`: the text the feedback must hold, or a tuple of texts any of which will do (where
+    the random draw decides which of two right diagnoses comes first)."""
     assert result.status == status and result.points == 0, result
-    assert feedback in result.feedback, result
+    assert any(text in result.feedback for text in ((feedback,) if isinstance(feedback, str) else feedback)), result
 
 
 # --- exercise 1: coordinates, groups, mesh arguments ---
@@ -206,7 +208,7 @@ PLANNER = "plan_layouts"
 @pytest.mark.parametrize("old, new, feedback", [
     ('parts["activations"] += held * per_token * s * b / tp\n        totals.append(sum(parts.values()))',
      'parts["activations"] += held * per_token * s * b / tp\n        parts["activations"] = 0.0\n'
-     '        totals.append(sum(parts.values()))', "Without the activations it would fit"),
+     '        totals.append(sum(parts.values()))', ("Without the activations it would fit", "leaves out the activations")),
     ('"bubble": (pp - 1) / (m + pp - 1)', '"bubble": (pp - 1) / m', "(p-1)/(m+p-1)"),
     ("return sorted(rows, key=lambda row: row[\"step_time_s\"])",
      "return sorted(rows, key=lambda row: -row[\"step_time_s\"])", "best (fastest) first"),

@@ -29,17 +29,22 @@ class _PartialSums:
         self.rtol, self.atol = rtol, atol
 
     def identify(self, payload: np.ndarray) -> tuple[int, np.ndarray] | None:
-        """(start, ranks summed) of the piece `payload` is a partial sum of, or None."""
+        """(start, ranks summed) of the piece `payload` is a partial sum of, or None. Of several
+        within tolerance, the closest: a short payload (one element of a small chunk) can fall
+        within float32's tolerance of another subset's sum by chance, and the true one is closer."""
         payload = np.ravel(payload).astype(np.float64)
         width = payload.size
         if width == 0 or width > self.length:
             return None
         starts = self.sums[:, :self.length - width + 1]
-        candidates = np.argwhere(np.isclose(starts, payload[0], rtol=self.rtol, atol=self.atol))
-        for subset, start in candidates:
-            if np.allclose(self.sums[subset, start:start + width], payload, rtol=self.rtol, atol=self.atol):
-                return int(start), self.members[subset]
-        return None
+        best, best_error = None, np.inf
+        for subset, start in np.argwhere(np.isclose(starts, payload[0], rtol=self.rtol, atol=self.atol)):
+            piece = self.sums[subset, start:start + width]
+            if np.allclose(piece, payload, rtol=self.rtol, atol=self.atol):
+                error = np.abs(piece - payload).max()
+                if error < best_error:
+                    best, best_error = (int(start), self.members[subset]), error
+        return best
 
 
 def check_ring_neighbours(logs: list[list[tuple]], what: str) -> None:

@@ -601,3 +601,16 @@ def test_bus_bandwidth_rejects(tmp_notebook, bus, feedback):
 def test_interview_rejects(tmp_notebook, answers, feedback):
     result = grade(tmp_notebook("dp", {"interview_bytes_sent_per_gpu": answers}), "dp.interview")["dp.interview"]
     assert result.status == "failed" and feedback in result.feedback
+
+
+def test_ring_replay_takes_the_closest_partial_sum_when_a_short_payload_matches_two():
+    """One element of a small chunk can fall within float32's tolerance of another rank's element
+    by chance; the replay must not then credit the message to a rank whose data it is not."""
+    import numpy as np
+
+    from grader.dataflow import check_ring_dataflow
+
+    inputs = [np.array([1.0, 5.0]), np.array([1.000004, 6.0])]  # rank 1's element 0 is within 1e-5 of rank 0's
+    logs = [[("send", 1, np.array([5.0])), ("recv", 1), ("send", 1, np.array([2.000004])), ("recv", 1)],
+            [("send", 0, np.array([1.000004])), ("recv", 0), ("send", 0, np.array([11.0])), ("recv", 0)]]
+    check_ring_dataflow(inputs, logs, rtol=1e-5, atol=1e-5, what="a correct ring on 2 ranks")

@@ -474,7 +474,7 @@ def ep(**changes) -> str:
     ("ep.expert_parallel_dropless", ep(BEFORE_SLOTS=PADDED_DROPLESS), "one row per assignment"),
     ("ep.expert_parallel_capacity", ALL_GATHER_THE_EXPERTS, "called all_gather"),
     ("ep.expert_parallel_capacity", TORCH_DIFFERENTIABLE, "uses the course's reference"),
-    ("ep.expert_parallel_dropless", ep(**POINT_TO_POINT), "called send"),
+    ("ep.expert_parallel_dropless", ep(**POINT_TO_POINT), "travel by all_to_all_single only"),  # send or recv first
     ("ep.expert_parallel_capacity", store_side_channel("sent * 0", "results"), "were in its dispatch to that rank"),
     ("ep.expert_parallel_dropless", store_side_channel("sent", "results * 0"), "expert outputs that rank's tokens"),
 ], ids=["capacity", "dropless", "capacity-with-list-all-to-all", "renormalised-after-dropping",

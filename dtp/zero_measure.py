@@ -142,7 +142,7 @@ def held_bytes(parameters, **roots) -> dict:
 
 # --- full weights and gradients over time -----------------------------------------------------
 
-_SETTLE_ATTEMPTS, _SETTLE_PAUSE_S = 200, 0.001
+_SETTLE_ATTEMPTS, _SETTLE_PAUSE_S = 50, 0.001
 
 # c10d operations whose first argument receives data from other ranks.
 _RECEIVING = {"allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_coalesced_",

@@ -66,13 +66,19 @@ def one_f_one_b_schedule(p: int, m: int) -> Schedule:
     (cool-down). A micro-batch's backward starts as soon as possible, so stage s never holds more
     than min(p-s, m) micro-batches' activations, whatever m is."""
     _check_sizes(p, m)
+    return _warm_up_then_alternate(p, m, lambda stage: min(p - stage - 1, m), lambda kind, k: Op(kind, k))
+
+
+def _warm_up_then_alternate(p: int, total: int, warm_up, nth) -> Schedule:
+    """Each stage's ops of a 1F1B-style schedule: `warm_up(stage)` forwards, then one forward and
+    one backward in turn, then the backwards left; `nth(kind, k)` is the k-th op of that kind."""
     schedule = []
     for stage in range(p):
-        warm_up = min(p - stage - 1, m)
-        ops = [Op(FORWARD, k) for k in range(warm_up)]
-        for k in range(warm_up, m):
-            ops += [Op(FORWARD, k), Op(BACKWARD, k - warm_up)]
-        ops += [Op(BACKWARD, k) for k in range(m - warm_up, m)]
+        warm = warm_up(stage)
+        ops = [nth(FORWARD, k) for k in range(warm)]
+        for k in range(warm, total):
+            ops += [nth(FORWARD, k), nth(BACKWARD, k - warm)]
+        ops += [nth(BACKWARD, k) for k in range(total - warm, total)]
         schedule.append(ops)
     return schedule
 
@@ -95,15 +101,8 @@ def interleaved_schedule(p: int, m: int, v: int, warm_up_factor: int = 2) -> Sch
         chunk = (k // p) % v
         return Op(kind, (k // (p * v)) * p + k % p, chunk if kind == FORWARD else v - 1 - chunk)
 
-    schedule = []
-    for stage in range(p):
-        warm_up = min((v - 1) * p + warm_up_factor * (p - stage - 1), total)
-        ops = [nth(FORWARD, k) for k in range(warm_up)]
-        for k in range(warm_up, total):
-            ops += [nth(FORWARD, k), nth(BACKWARD, k - warm_up)]
-        ops += [nth(BACKWARD, k) for k in range(total - warm_up, total)]
-        schedule.append(ops)
-    return schedule
+    return _warm_up_then_alternate(p, total, lambda stage: min((v - 1) * p + warm_up_factor * (p - stage - 1), total),
+                                   nth)
 
 
 def zb_h1_schedule(p: int, m: int) -> Schedule:

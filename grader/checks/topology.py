@@ -340,17 +340,17 @@ def _planner_case(rng, moe: bool):
 def _links_tell_the_order(model, cluster, training) -> bool:
     """Whether some fitting layout sends bytes on a dimension whose link class differs when the
     order is read the wrong way round (TP outermost): cases where it never does cannot catch it."""
-    fitting = {_key(row) for row in planner.plan(model, cluster, training)}
-    for layout in planner.candidate_layouts(model, cluster, training):
-        if (layout.tp, layout.pp, layout.dp, layout.ep, layout.zero_stage, layout.micro_batches) not in fitting:
-            continue
-        sizes, order = layout.sizes(model), tuple(layout.order(model))
-        right = topology.dimension_links(sizes, order, cluster.gpus_per_node)
-        reversed_order = topology.dimension_links(sizes, order[::-1], cluster.gpus_per_node)
-        traffic = planner.traffic_per_gpu(model, cluster, training, layout)
-        if any(traffic[name]["bytes"] and right[name] != reversed_order[name] for name in traffic):
+    candidates = {_layout_key(layout): layout for layout in planner.candidate_layouts(model, cluster, training)}
+    for row in planner.plan(model, cluster, training):
+        layout = candidates[_key(row)]
+        misread = topology.dimension_links(layout.sizes(model), tuple(layout.order(model))[::-1], cluster.gpus_per_node)
+        if any(entry["bytes"] and entry["link"] != misread[name] for name, entry in row["traffic"].items()):
             return True
     return False
+
+
+def _layout_key(layout) -> tuple:
+    return tuple(getattr(layout, field) for field in planner.LAYOUT_FIELDS)
 
 
 def _key(row) -> tuple:
@@ -406,8 +406,7 @@ def _judge_plan(model, cluster, training, rows) -> None:
                f"plan_layouts ({what}): every row should be a dict with keys {', '.join(ROW_FIELDS)}")
         expect(all(isinstance(row[f], (int, float)) and not isinstance(row[f], bool) for f in ROW_FIELDS),
                f"plan_layouts ({what}): every field of a row should be a number")
-    candidates = {(c.tp, c.pp, c.dp, c.ep, c.zero_stage, c.micro_batches): c
-                  for c in planner.candidate_layouts(model, cluster, training)}
+    candidates = {_layout_key(c): c for c in planner.candidate_layouts(model, cluster, training)}
     oracle = {_key(row): row for row in planner.plan(model, cluster, training)}
     listed = [_key(row) for row in rows]
     for key in listed:

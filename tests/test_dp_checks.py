@@ -614,3 +614,15 @@ def test_ring_replay_takes_the_closest_partial_sum_when_a_short_payload_matches_
     logs = [[("send", 1, np.array([5.0])), ("recv", 1), ("send", 1, np.array([2.000004])), ("recv", 1)],
             [("send", 0, np.array([1.000004])), ("recv", 0), ("send", 0, np.array([11.0])), ("recv", 0)]]
     check_ring_dataflow(inputs, logs, rtol=1e-5, atol=1e-5, what="a correct ring on 2 ranks")
+
+
+def test_the_summed_gradients_diagnosis_needs_an_update_along_the_right_one():
+    """A rank that stepped with its own shard's gradient can move about n times as far as the
+    right update by chance; it did not sum anything, so it must not be told it did."""
+    import numpy as np
+
+    from grader.checks.dp import _update_ratio
+
+    initial, right = {"w": np.zeros(3)}, {"w": np.array([1.0, 0.0, 0.0])}
+    assert _update_ratio({"w": np.array([2.0, 0.0, 0.0])}, initial, right) == 2.0  # summed: along it, twice as far
+    assert _update_ratio({"w": np.array([2.0, 1.5, 0.0])}, initial, right) is None  # its own shard's direction

@@ -3,6 +3,7 @@
     python -m grader.release            # write notebooks/
     python -m grader.release --check    # exit 1 if notebooks/ is not what this would write
     python -m grader.release --execute  # first re-run solutions/ and store their outputs (for nbval)
+    python -m grader.release --execute --only 04_pipeline   # re-run only the solutions named
 
 Like nbgrader's assign step: a list of small transformations, each doing one thing.
 """
@@ -155,9 +156,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grader.release", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report whether notebooks/ is up to date")
     parser.add_argument("--execute", action="store_true", help="re-run solutions/ in place first, storing outputs")
+    parser.add_argument("--only", nargs="+", metavar="NAME", default=(),
+                        help="with --execute, re-run only the solution notebooks whose file name contains NAME")
     args = parser.parse_args(argv)
     if args.execute:
         for source in sorted(SOLUTIONS.glob("*.ipynb")):
+            if args.only and not any(name in source.name for name in args.only):
+                continue
             print(f"executing {source.relative_to(REPO)}", flush=True)
             execute_in_place(source)
     if args.check:

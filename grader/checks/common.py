@@ -90,6 +90,50 @@ class FixedAnswers(Check):
         return [getattr(student, name) for name in self.reads]
 
 
+class InterviewQuestions(Check):
+    """Interview questions answered as functions of the question's numbers: each function in
+    `reads` is called on the question's own numbers (`asked`, as the notebook states them) and on
+    numbers drawn at random (`drawn`), and compared with `expected`; a wrong answer equal to a
+    known slip gets that slip's feedback. A number copied from the page, or a table of answers,
+    cannot match the drawn questions, and the course's functions (`references`) trip.
+
+    Subclasses set `reads` and `asked` (name -> the question's arguments), and define
+    `drawn(name, rng)` (arguments of one random question), `expected(name, *args)` and, where a
+    mistake is common, `slips(name, *args)` (feedback -> the value it gives)."""
+
+    timeout_s = 15
+    asked: dict[str, tuple] = {}
+    draws = 4  # random questions per function, besides the one asked
+    rel = 1e-6
+    summary = "every interview answer is right for the questions asked and for random numbers"
+
+    def drawn(self, name: str, rng) -> tuple:
+        raise NotImplementedError
+
+    def expected(self, name: str, *args) -> float:
+        raise NotImplementedError
+
+    def slips(self, name: str, *args) -> dict[str, float]:
+        return {}
+
+    def prepare(self, rng):
+        return {name: [tuple(self.asked[name])] + [tuple(self.drawn(name, rng)) for _ in range(self.draws)]
+                for name in self.reads}
+
+    def collect(self, student, questions):
+        return {name: [getattr(student, name)(*args) for args in cases] for name, cases in questions.items()}
+
+    def judge(self, questions, answers) -> str:
+        for name, cases in questions.items():
+            given = answers.get(name) if isinstance(answers, dict) else None
+            if not isinstance(given, list) or len(given) != len(cases):
+                raise CheckFailed(f"the grader's calls of {name} did not all return")
+            for args, answer in zip(cases, given):
+                expect_answer(answer, self.expected(name, *args), describe_call(name, args, {}), rel=self.rel,
+                              slips=self.slips(name, *args))
+        return self.summary
+
+
 class FormulaCheck(Check):
     """A learner's function of numbers, called on random arguments drawn by `cases` and compared
     with `expected`; a wrong answer that equals a known slip gets that slip's feedback.

@@ -1,25 +1,44 @@
 """What crosses from the sandbox, where learner code ran, back to the grader: plain data only.
 
-In the sandbox, `dumps(plain(value))` turns tensors into numpy arrays, numpy scalars into Python
-numbers and anything else it does not know into an `Opaque` description of it. In the grader,
+In the sandbox, `dumps(plain(value))` turns tensors into numpy arrays, numpy scalars and other
+numbers (`fractions.Fraction`, `decimal.Decimal`, any `numbers.Real`) into builtin Python numbers
+and anything else it does not know into an `Opaque` description of it. In the grader,
 `loads(data)` unpickles with a whitelist of constructors: bytes written by learner code (the
 sandbox is theirs, so they could write anything into the pipe) can describe values, never run code.
+An `Opaque` is read back as an instance of a class named after the learner's type, so feedback
+that names `type(value).__name__` says "it is a MyResult", never the transport's own name.
 """
 from __future__ import annotations
 
+import decimal
+import functools
 import io
+import numbers
 import pickle
-from typing import NamedTuple
 
 import numpy as np
 
 MAX_BYTES = 256 * 2**20  # a check's data is small; more is a runaway learner process
 
 
-class Opaque(NamedTuple):
-    """A value the sandbox could not turn into plain data: its type and a short repr."""
-    type_name: str
-    text: str
+class Opaque:
+    """A value the sandbox could not turn into plain data: its type's name and a short repr."""
+    __slots__ = ("type_name", "text")
+
+    def __init__(self, type_name: str, text: str):
+        self.type_name, self.text = type_name, text
+
+    def __reduce__(self):
+        return (Opaque, (self.type_name, self.text))
+
+    def __eq__(self, other):
+        return isinstance(other, Opaque) and (self.type_name, self.text) == (other.type_name, other.text)
+
+    def __hash__(self):
+        return hash((self.type_name, self.text))
+
+    def __repr__(self):
+        return self.text
 
 
 class UnreadableData(Exception):
@@ -36,6 +55,8 @@ def plain(value, depth: int = 0):
         return value
     if isinstance(value, (int, float, complex)):
         return _builtin_number(value)
+    if isinstance(value, (numbers.Number, decimal.Decimal)):
+        return _other_number(value)
     if isinstance(value, np.generic):
         return value.item() if value.dtype.kind in "biufc" else Opaque(type(value).__name__, repr(value)[:80])
     if isinstance(value, torch.Tensor):
@@ -68,6 +89,29 @@ def _builtin_number(value):
     return complex(complex.real.__get__(value), complex.imag.__get__(value))
 
 
+def _other_number(value):
+    """A number of another type (an exact `Fraction` or `Decimal`, a learner's `numbers.Real`) as
+    the builtin number it stands for: an integral value as an exact int, others as a float. The
+    conversions call the value's own methods, here in the sandbox, where learner code runs anyway;
+    their results pass through `_builtin_number`, so nothing but a builtin number leaves."""
+    try:
+        if isinstance(value, decimal.Decimal):  # not a numbers.Real, though it is a real number
+            if value.is_finite() and value == value.to_integral_value():
+                return _builtin_number(int(value))
+            return _builtin_number(float(value))
+        if isinstance(value, numbers.Rational) and _builtin_number(value.denominator) == 1:
+            return _builtin_number(value.numerator)
+        if isinstance(value, numbers.Integral):
+            return _builtin_number(int(value))
+        if isinstance(value, numbers.Real):
+            return _builtin_number(float(value))
+        if isinstance(value, numbers.Complex):
+            return _builtin_number(complex(value))
+    except BaseException:  # noqa: BLE001 - a learner's conversion may raise anything
+        pass
+    return Opaque(type(value).__name__, _short_repr(value))
+
+
 def _short_repr(value) -> str:
     try:
         return repr(value)[:80]
@@ -90,10 +134,27 @@ _ALLOWED = {
 }
 
 
+@functools.lru_cache(maxsize=256)
+def _opaque_class(type_name: str) -> type:
+    """A subclass of Opaque named after the learner's type: feedback written as "it is a
+    {type(value).__name__}" then names what the learner returned."""
+    return type(type_name, (Opaque,), {"__slots__": ()})
+
+
+def _read_opaque(type_name, text) -> Opaque:
+    """How the grader rebuilds an Opaque. Both fields come from the sandbox and may be forged:
+    only a short printable name becomes a class name, and the text stays a string."""
+    name = type_name if isinstance(type_name, str) else "value"
+    name = "".join(c for c in name[:80] if c.isprintable()) or "value"
+    return _opaque_class(name)(name, text[:200] if isinstance(text, str) else "")
+
+
 class _PlainUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) not in _ALLOWED:
             raise UnreadableData(f"it refers to {module}.{name}, which is not plain data")
+        if (module, name) == ("grader.transport", "Opaque"):
+            return _read_opaque
         return super().find_class(module, name)
 
     def persistent_load(self, pid):

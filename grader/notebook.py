@@ -3,8 +3,9 @@
 Graded definitions are the top-level imports, functions and classes of the code cells, plus every
 top-level statement that binds or changes a name that is needed: a name the chapter's checks read
 (`ring_all_reduce`, an answer variable), or a global that a kept statement reads (`chunk_count = 4`
-used inside a function, `TABLE = {}` and the loop that fills it, `answer *= 1000`, an `if` or
-`try` that defines a function or imports a module). Everything else (demo calls, plots,
+used inside a function, `TABLE = {}` and the loop that fills it, a top-level `fill_units(TABLE)`
+whose function fills its argument, `answer *= 1000`, an `if` or `try` that defines a function or
+imports a module). Everything else (demo calls, plots,
 `check(...)` lines, training runs whose results nothing reads) is left out, so grading does not
 re-run a learner's experiments.
 """
@@ -192,34 +193,82 @@ def _names_called(node: ast.AST) -> set[str]:
     return {n.func.id for n in _body_nodes(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
 
 
-def _function_effects(functions: dict[str, ast.FunctionDef], modules: frozenset[str]) -> dict[str, set[str]]:
-    """The globals each notebook function changes when it is called: names it declares `global`
-    and binds, and global objects it mutates (`TABLE[k] = v`, `TABLE.update(...)`), also through
-    the notebook functions it calls. A top-level `init()` or `_add_units(...)` therefore counts
-    as a statement that fills those globals."""
-    effects: dict[str, set[str]] = {}
+@dataclass
+class _Effects:
+    """What calling a notebook function changes: globals (by name) and the objects passed to some
+    of its parameters (by parameter name)."""
+    globals: set[str] = field(default_factory=set)
+    parameters: set[str] = field(default_factory=set)
+
+
+def _parameters(function: ast.FunctionDef) -> tuple[list[str], set[str]]:
+    """(positional parameter names in order, every parameter name)."""
+    arguments = function.args
+    positional = [a.arg for a in arguments.posonlyargs + arguments.args]
+    every = set(positional) | {a.arg for a in arguments.kwonlyargs}
+    every |= {a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None}
+    return positional, every
+
+
+def _mutated_roots(node: ast.AST) -> set[str]:
+    """Names whose objects a body mutates directly: `x[k] = v`, `x.attr = v`, `del x[k]`, `x.update(...)`."""
+    roots = set()
+    for current in _body_nodes(node):
+        if isinstance(current, (ast.Attribute, ast.Subscript)) and isinstance(current.ctx, (ast.Store, ast.Del)):
+            roots.add(_root_name(current))
+        elif isinstance(current, ast.Call) and isinstance(current.func, ast.Attribute):
+            roots.add(_root_name(current.func.value))
+    return roots - {None}
+
+
+def _names_passed_to_mutators(node: ast.AST, functions: dict[str, ast.FunctionDef],
+                              effects: dict[str, _Effects]) -> set[str]:
+    """Names whose objects a body hands to a notebook function's mutated parameter:
+    `fill_units(UNITS)` (or `fill_units(table=UNITS)`) when `fill_units` fills its `table`."""
+    passed = set()
+    for call in _body_nodes(node):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in effects):
+            continue
+        mutated = effects[call.func.id].parameters
+        if not mutated:
+            continue
+        positional, _ = _parameters(functions[call.func.id])
+        bound = [(positional[i] if i < len(positional) else None, arg) for i, arg in enumerate(call.args)]
+        bound += [(keyword.arg, keyword.value) for keyword in call.keywords]
+        passed |= {_root_name(arg) for parameter, arg in bound if parameter in mutated}
+    return passed - {None}
+
+
+def _function_effects(functions: dict[str, ast.FunctionDef], modules: frozenset[str]) -> dict[str, _Effects]:
+    """What each notebook function changes when it is called: globals it declares `global` and
+    binds, global objects it mutates (`TABLE[k] = v`, `TABLE.update(...)`), objects passed to its
+    parameters that it mutates (`table[k] = v` in `def fill(table)`), also through the notebook
+    functions it calls. A top-level `init()`, `_add_units(...)` or `fill_units(UNITS)` therefore
+    counts as a statement that fills those globals."""
+    effects: dict[str, _Effects] = {}
+    global_names: dict[str, set[str]] = {}
     for name, function in functions.items():
         try:
             table = symtable.symtable(ast.unparse(function), "<cell>", "exec").get_children()[0]
         except (SyntaxError, IndexError):
-            effects[name] = set()
+            effects[name], global_names[name] = _Effects(), set()
             continue
-        global_names = {s.get_name() for s in table.get_symbols() if s.is_global()}
+        global_names[name] = {s.get_name() for s in table.get_symbols() if s.is_global()}
         declared = {s.get_name() for s in table.get_symbols() if s.is_declared_global() and s.is_assigned()}
-        mutated = set()
-        for node in _body_nodes(function):
-            if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, (ast.Store, ast.Del)):
-                mutated.add(_root_name(node))
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                mutated.add(_root_name(node.func.value))
-        effects[name] = declared | ((mutated & global_names) - modules)
+        mutated = _mutated_roots(function)
+        effects[name] = _Effects(declared | ((mutated & global_names[name]) - modules),
+                                 mutated & _parameters(function)[1])
     grew = True
     while grew:  # through calls to other notebook functions
         grew = False
         for name, function in functions.items():
-            reached = set().union(*(effects[callee] for callee in _names_called(function) if callee in effects))
-            if not reached <= effects[name]:
-                effects[name] |= reached
+            reached = set().union(*(effects[callee].globals for callee in _names_called(function) if callee in effects))
+            passed = _names_passed_to_mutators(function, functions, effects)
+            reached |= (passed & global_names[name]) - modules
+            parameters = passed & _parameters(function)[1]
+            if not (reached <= effects[name].globals and parameters <= effects[name].parameters):
+                effects[name].globals |= reached
+                effects[name].parameters |= parameters
                 grew = True
     return effects
 
@@ -253,8 +302,9 @@ def _graded_statements(nodes: list[tuple[int, ast.stmt]], graded_names: frozense
                         for name in _defined_names(node))
     functions = {node.name: node for _, node in nodes if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
     effects = _function_effects(functions, modules)
-    changes = [_names_changed(node, modules).union(*(effects[f] for f in _names_called(node) if f in effects))
-               for _, node in nodes]
+    changes = [_names_changed(node, modules).union(
+        *(effects[f].globals for f in _names_called(node) if f in effects),
+        _names_passed_to_mutators(node, functions, effects) - modules) for _, node in nodes]
     grew = True
     while grew:  # a kept statement may read names that only another statement provides
         grew = False

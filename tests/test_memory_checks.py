@@ -67,6 +67,23 @@ def test_model_states_reject(tmp_notebook, bytes_table, units, feedback):
     assert result.status == "failed" and feedback in result.feedback
 
 
+def test_model_states_accepts_a_unit_table_filled_by_a_helper_called_at_top_level(tmp_notebook):
+    """The grader keeps `fill_units(UNITS)`: it fills the table `model_state_memory` reads."""
+    source = (f"BYTES = {RIGHT_BYTES}\nUNITS = {{}}\n\n"
+              "def fill_units(table):\n"
+              "    table['B'] = 1\n"
+              "    for prefix, power in (('M', 6), ('G', 9), ('T', 12)):\n"
+              "        table[prefix + 'B'] = 10 ** power\n"
+              "    table.update(GiB=2 ** 30, TiB=2 ** 40)\n\n"
+              "fill_units(UNITS)\n\n"
+              "def model_state_memory(n_params, recipe, unit):\n"
+              "    return n_params * BYTES[recipe] / UNITS[unit]\n")
+    result = grade(tmp_notebook("memory", {"model_state_memory": source},
+                                extra_cells=["model_state_memory(7e9, 'mixed_adam', 'GB')"]),
+                   "memory.model_states")["memory.model_states"]
+    assert result.status == "passed", result.feedback
+
+
 ACTIVATIONS = '''
 def activation_bytes_per_layer(seq, batch, hidden, heads, tensor_parallel=1, sequence_parallel=False, recompute="none"):
     s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel

@@ -77,3 +77,24 @@ def test_learner_code_runs_as_a_real_module_without_the_graders_future_imports()
     assert student.Link(1.0, 2.0).beta == 2.0
     assert isinstance(student.Link.__annotations__["alpha"], type)  # not the string "float"
     assert pickle.loads(pickle.dumps(student.Pair(1, 2))) == (1, 2)
+
+
+def test_a_top_level_call_of_a_helper_that_fills_its_argument_is_kept():
+    cells = ("UNITS = {}",
+             "def fill_units(table):\n    for name, power in (('MB', 6), ('GB', 9)):\n        table[name] = 10 ** power",
+             "def add_binary(table):\n    table.update(GiB=2 ** 30)",
+             "def fill_all(t):\n    fill_units(table=t)\n    add_binary(t)",
+             "fill_all(UNITS)",
+             "def in_units(n, unit):\n    return n / UNITS[unit]")
+    assert "fill_all(UNITS)" in kept_sources(*cells, graded=("in_units",))
+    student = StudentCode.from_definitions(definitions_of(*cells, graded=("in_units",)))
+    assert student.in_units(2e9, "GB") == 2.0 and student.in_units(2**31, "GiB") == 2.0
+
+
+def test_a_call_that_mutates_only_what_nothing_reads_is_still_left_out():
+    kept = kept_sources("import matplotlib.pyplot as plt", "def draw(ax, xs):\n    ax.plot(xs)",
+                        "fig, ax = plt.subplots()", "draw(ax, [1, 2])",
+                        "RESULTS = {}", "def record(table, key):\n    table[key] = 1", "record(RESULTS, 'run')",
+                        "def f(x):\n    return 2 * x", graded=("f",))
+    assert kept == ["import matplotlib.pyplot as plt", "def draw(ax, xs):\n    ax.plot(xs)",
+                    "def record(table, key):\n    table[key] = 1", "def f(x):\n    return 2 * x"]

@@ -1,0 +1,18 @@
+"""Checks of the expert-parallelism chapter (notebook 05_expert_parallel).
+
+Oracles, computed in the grader: dtp.moe's router, slots and one-hot layer (tests/test_ep_moe.py
+checks them against token-by-token loops and torch), autograd through dtp.moe.moe_layer_torch
+run once per rank's tokens (the single-process layer with the same weights and routing), and
+dtp.moe's closed forms. Mechanisms, from what the learner's code did in a gloo world: every
+collective recorded on the process group, and for every all-to-all the rows sent to each rank.
+
+One module per exercise group. They are imported in the notebook's order, which is the order
+the exercises register in and are listed in.
+"""
+# isort: off
+from . import router  # noqa: F401  exercise 1
+from . import layer  # noqa: F401  exercise 2: capacity, slots, the single-process layer
+from . import losses  # noqa: F401  exercise 3
+from . import expert_parallel  # noqa: F401  exercise 4, on gloo
+from . import all_to_all_bytes  # noqa: F401  exercise 5
+from . import interview  # noqa: F401  exercise 6

@@ -1,0 +1,257 @@
+"""Exercise 2: the capacity rule, slots (which assignments an expert keeps) and the single-process
+MoE layer. The layer's diagnosis of a wrong output (`explain_layer_output`) also judges every
+rank's output of the expert-parallel layer."""
+from __future__ import annotations
+
+import numpy as np
+
+from dtp import moe
+
+from ...compare import CheckFailed, expect, expect_close
+from ...registry import Check, exercise
+from ..common import FormulaCheck
+from .shared import LAYER_REFERENCES, first_slip, integer_array, skewed_choices
+
+CAPACITY_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # exact in binary: no rounding to argue about
+
+
+@exercise("ep.capacity", points=1)
+class Capacity(FormulaCheck):
+    """Verifies: ceil(capacity_factor · T · k / E) on random sizes, where the quotient is a whole
+    number (the ceiling changes nothing) and where it is not.
+    Fakes: dtp.moe.expert_capacity trips."""
+
+    function = "expert_capacity"
+    references = ("dtp.moe.expert_capacity",)
+    timeout_s = 15
+    summary = "ceil(capacity_factor · T · k / E) on random sizes, whole quotients and fractional ones"
+
+    def cases(self, rng):
+        cases = []
+        for _ in range(6):  # fractional quotients
+            while True:
+                args = (int(rng.integers(1, 5000)), int(rng.choice([3, 6, 8, 12, 16, 64, 128])),
+                        int(rng.integers(1, 5)), float(rng.choice(CAPACITY_FACTORS)))
+                if (args[3] * args[0] * args[2]) % args[1]:
+                    cases.append((args, {}))
+                    break
+        for _ in range(2):  # whole quotients; powers of two keep every order of the arithmetic exact
+            experts, k = int(rng.choice([4, 8, 64])), int(rng.integers(1, 3))
+            cases.append(((experts * int(rng.integers(1, 100)), experts, k, 1.0), {}))
+        return cases
+
+    def expected(self, tokens, experts, k, factor):
+        return moe.expert_capacity(tokens, experts, k, factor)
+
+    def slips(self, tokens, experts, k, factor):
+        exact = factor * tokens * k / experts
+        return {"that rounds down (as int() does, and round() below one half): a fractional slot must round up "
+                "(the ceiling), or even perfectly balanced routing drops tokens": int(exact),
+                "that is not rounded: a capacity counts slots, ceil(capacity_factor · T · k / E)": exact,
+                "k is missing: each token makes k assignments, T·k in all": float(np.ceil(factor * tokens / experts))}
+
+
+def _slots_in_priority(indices: np.ndarray, num_experts: int, capacity, order) -> np.ndarray:
+    """Slots given to the assignments (token, choice) in the given priority order."""
+    slots = np.full(indices.shape, -1)
+    filled = np.zeros(num_experts, dtype=int)
+    for token, choice in order:
+        expert = indices[token, choice]
+        if capacity is None or filled[expert] < capacity:
+            slots[token, choice] = filled[expert]
+            filled[expert] += 1
+    return slots
+
+
+def _token_major(indices: np.ndarray) -> list[tuple[int, int]]:
+    return [(t, j) for t in range(indices.shape[0]) for j in range(indices.shape[1])]
+
+
+def _slot_slips(indices: np.ndarray, num_experts: int, capacity) -> dict[str, np.ndarray]:
+    tokens, k = indices.shape
+    choice_major = [(t, j) for j in range(k) for t in range(tokens)]
+    slips = {}
+    if k > 1:
+        slips["you gave priority token by token (token 0's second choice before token 1's first); every first "
+              "choice comes before any second choice"] = _slots_in_priority(indices, num_experts, capacity,
+                                                                              _token_major(indices))
+    if capacity is not None:
+        slips["you kept the assignments that came last; priority is by position, earlier tokens first"] = \
+            _slots_in_priority(indices, num_experts, capacity, [(t, j) for j in range(k) for t in reversed(range(tokens))])
+        slips["you dropped nothing: an assignment whose expert already holds `capacity` tokens is dropped (-1)"] = \
+            _slots_in_priority(indices, num_experts, None, choice_major)
+        slips[f"an expert holds slots 0 to C-1 = {capacity - 1}: you let it take one more"] = \
+            _slots_in_priority(indices, num_experts, capacity + 1, choice_major)
+    return slips
+
+
+@exercise("ep.slots", points=2)
+class Slots(Check):
+    """Verifies: every assignment's slot or -1 for top-1, top-2 and top-3 routing on skewed random
+    choices, with a capacity two or more below the largest load, a capacity exactly equal to one
+    expert's load, and dropless (capacity None).
+    Fakes: dtp.moe.assign_slots trips; fresh choices each run.
+    """
+
+    reads = ("assign_slots",)
+    references = ("dtp.moe.assign_slots",)
+    timeout_s = 15
+
+    def prepare(self, rng):
+        cases = []
+        for k in (1, 2, 3):
+            experts = int(rng.integers(k + 1, 9))
+            tokens = int(rng.integers(8, 40))
+            while True:  # the first capacity leaves some expert two or more over: every slip shows
+                indices = skewed_choices(rng, tokens, experts, k)
+                loads = np.bincount(indices.reshape(-1), minlength=experts)
+                tight = moe.expert_capacity(tokens, experts, k, float(rng.choice([0.5, 0.75])))
+                if loads.max() >= tight + 2:
+                    break
+            for capacity in (tight, int(rng.choice(loads[loads > 0])), None):
+                cases.append((indices, experts, capacity))
+        return cases
+
+    def collect(self, student, cases):
+        return [student.assign_slots(indices.copy(), experts, capacity) for indices, experts, capacity in cases]
+
+    def judge(self, cases, answers) -> str:
+        expect(len(answers) == len(cases), "the grader's calls did not all return")
+        for (indices, experts, capacity), answer in zip(cases, answers):
+            what = f"assign_slots(top-{indices.shape[1]} choices of {indices.shape[0]} tokens, {experts} experts, " \
+                   f"capacity={capacity})"
+            slots = integer_array(answer, indices.shape, "the slots", what)
+            expected = moe.assign_slots(indices, experts, capacity)
+            if np.array_equal(slots, expected):
+                continue
+            slip = first_slip(slots, _slot_slips(indices, experts, capacity))
+            if slip:
+                raise CheckFailed(f"{what}: {slip}")
+            token, choice = np.argwhere(slots != expected)[0]
+            raise CheckFailed(f"{what}: token {token}'s choice {choice + 1} (expert {indices[token, choice]}) got "
+                              f"slot {slots[token, choice]}, expected {expected[token, choice]} (-1: dropped)")
+        return ("slots and drops by position, first choices before second ones, for top-1, top-2 and top-3, with "
+                "capacities below, at and above the load, and dropless")
+
+
+def _layer_from(x, w_in, w_out, indices, weights, slots) -> np.ndarray:
+    """Σ over kept assignments of gate weight · expert(token): the layer for given routing."""
+    output = np.zeros_like(x)
+    for token, choice in zip(*np.nonzero(slots >= 0)):
+        expert = indices[token, choice]
+        output[token] += weights[token, choice] * moe.expert_mlp(x[token], w_in[expert], w_out[expert])
+    return output
+
+
+def _layer_slips(x, router_weight, w_in, w_out, k, capacity, renormalize) -> dict[str, np.ndarray]:
+    experts = router_weight.shape[1]
+    indices, weights = moe.top_k_routing(x @ router_weight, k, renormalize)
+    slots = moe.assign_slots(indices, experts, capacity)
+    kept = slots >= 0
+    slips = {}
+    if capacity is not None:
+        kept_sum = np.where(kept, weights, 0).sum(axis=1, keepdims=True)
+        if k > 1:
+            slips["you renormalised the gate weights after dropping; a dropped assignment's weight is simply lost, "
+                  "the kept ones stay as routed"] = _layer_from(x, w_in, w_out, indices,
+                                                                np.divide(weights, kept_sum, where=kept_sum > 0,
+                                                                          out=np.zeros_like(weights)), slots)
+        slips["no assignment was dropped: apply the capacity (an expert takes at most `capacity` tokens)"] = \
+            moe.moe_layer(x, router_weight, w_in, w_out, k, None, renormalize)
+        probabilities = np.take_along_axis(moe.softmax(x @ router_weight), indices, axis=1)
+        assignments = list(zip(*np.nonzero(np.ones_like(slots))))
+        slips["you dropped by probability (the most confident assignments first); this chapter drops by position, as "
+              "the Switch Transformer does"] = [  # by router probability, or by (renormalised) gate weight
+            _layer_from(x, w_in, w_out, indices, weights, _slots_in_priority(
+                indices, experts, capacity, sorted(assignments, key=lambda tj: -priority[tj])))
+            for priority in (probabilities, weights)]
+        if k > 1:
+            slips["you gave priority token by token; every first choice comes before any second choice"] = _layer_from(
+                x, w_in, w_out, indices, weights, _slots_in_priority(indices, experts, capacity, _token_major(indices)))
+    unweighted = _layer_from(x, w_in, w_out, indices, np.ones_like(weights), slots)
+    if k == 1 and capacity is not None:  # renormalising one kept weight gives 1: the two mistakes coincide
+        slips["every gate weight is 1: either the expert outputs are not multiplied by their gate weights, or you "
+              "renormalised the gate weights after dropping (a lone kept weight becomes 1)"] = unweighted
+    slips["the expert outputs are not multiplied by their gate weights"] = unweighted
+    return slips
+
+
+def _sorted_rows(array: np.ndarray) -> np.ndarray:
+    return array[np.lexsort(array.T[::-1])]
+
+
+def explain_layer_output(output: np.ndarray, layer: tuple, what: str) -> None:
+    """Compare a layer's output with the reference for `layer` = (x, router, w_in, w_out, k,
+    capacity, renormalize); name a known mistake when the output is one, else show the routing of
+    the worst token."""
+    expected = moe.moe_layer(*layer)
+    expect(isinstance(output, np.ndarray), f"{what} should be an array or tensor, not {type(output).__name__}")
+    if output.shape != expected.shape or not np.all(np.isfinite(output)) \
+            or np.allclose(output, expected, rtol=1e-7, atol=1e-9):
+        expect_close(output, expected, what, rtol=1e-7, atol=1e-9, check_dtype=False)
+        return
+    slip = first_slip(output, _layer_slips(*layer), rtol=1e-7, atol=1e-9)
+    if slip:
+        raise CheckFailed(f"{what}: {slip}")
+    if np.allclose(_sorted_rows(output), _sorted_rows(expected), rtol=1e-7, atol=1e-9):
+        raise CheckFailed(f"{what}: every output row is right but belongs to another token: combine must put each "
+                          "expert result back at the token (and choice) whose slot it was computed in")
+    x, router, _, _, k, capacity, renormalize = layer
+    indices, weights = moe.top_k_routing(x @ router, k, renormalize)
+    slots = moe.assign_slots(indices, router.shape[1], capacity)
+    token = int(np.argmax(np.abs(output - expected).max(axis=1)))
+    raise CheckFailed(f"{what}: token {token}'s output differs most (max abs error "
+                      f"{np.abs(output - expected).max():.3g}); it chose experts {indices[token].tolist()} with gate "
+                      f"weights {np.round(weights[token], 4).tolist()} and got slots {slots[token].tolist()} (-1: dropped). "
+                      "Check that combine reads each assignment's result from the slot (or row) it was dispatched to, "
+                      "and multiplies it by that assignment's gate weight")
+
+
+def _random_layer(rng, tokens: int, experts: int, k: int, skew: float = 1.0):
+    d, f = int(rng.integers(3, 9)), int(rng.integers(2, 9))
+    x = rng.standard_normal((tokens, d))
+    router = rng.standard_normal((d, experts)) + skew * rng.standard_normal(experts)  # some experts popular
+    return x, router, rng.standard_normal((experts, d, f)) / np.sqrt(d), rng.standard_normal((experts, f, d))
+
+
+@exercise("ep.moe_layer", points=2)
+class MoELayer(Check):
+    """Verifies: the layer's output for top-1, top-2 and top-3 routing, renormalised and not, with
+    capacities that drop assignments (a top-2 token losing one expert and keeping the other
+    included) and dropless, against dtp.moe's one-hot layer.
+    Fakes: dtp.moe's layer, router and slots trip; fresh random weights each run.
+    """
+
+    reads = ("moe_layer",)
+    references = LAYER_REFERENCES
+    timeout_s = 20
+
+    def prepare(self, rng):
+        cases = []
+        for k, renormalize, factor in ((1, False, 0.75), (2, True, 0.75), (2, False, None), (3, True, 1.0),
+                                       (2, True, 0.5), (1, True, None)):
+            experts, tokens = int(rng.integers(k + 2, 9)), int(rng.integers(10, 40))
+            while True:
+                layer = _random_layer(rng, tokens, experts, k)
+                capacity = None if factor is None else moe.expert_capacity(tokens, experts, k, factor)
+                indices, _ = moe.top_k_routing(layer[0] @ layer[1], k, renormalize)
+                kept = moe.assign_slots(indices, experts, capacity) >= 0
+                if capacity is None or (0 < kept.sum(axis=1)).any() and (kept.sum(axis=1) < k).any():
+                    break  # with capacity, some token keeps part of its choices: dropping is visible
+            cases.append((*layer, k, capacity, renormalize))
+        return cases
+
+    def collect(self, student, cases):
+        return [student.moe_layer(*(a.copy() for a in case[:4]), *case[4:]) for case in cases]
+
+    def judge(self, cases, outputs) -> str:
+        expect(len(outputs) == len(cases), "the grader's calls did not all return")
+        for case, output in zip(cases, outputs):
+            x, router, w_in, w_out, k, capacity, renormalize = case
+            what = (f"moe_layer({x.shape[0]} tokens, {router.shape[1]} experts, k={k}, capacity={capacity}, "
+                    f"renormalize={renormalize})")
+            expect(isinstance(output, np.ndarray), f"{what} should return a numpy array, not {type(output).__name__}")
+            explain_layer_output(output, case, what)
+        return ("equal to the one-hot reference for top-1, top-2 and top-3, renormalised and not, with dropping "
+                "capacities and dropless")
+

@@ -1,0 +1,46 @@
+"""What the expert-parallelism checks share: the course code they refuse, answer-shape checks,
+naming a known mistake by its value, and routings skewed so that capacity binds."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...compare import expect
+
+ROUTING_REFERENCES = ("dtp.moe.top_k_routing", "dtp.moe.softmax")
+LAYER_REFERENCES = ("dtp.moe.moe_layer", "dtp.moe.moe_layer_torch", "dtp.moe.dispatch_and_combine",
+                    "dtp.moe.assign_slots", "dtp.moe.expert_capacity") + ROUTING_REFERENCES
+# torch's differentiable all-to-alls: the exercise is to write the backward exchange
+TORCH_DIFFERENTIABLE_ALL_TO_ALL = ("torch.distributed.nn.functional.all_to_all_single",
+                                   "torch.distributed.nn.functional.all_to_all",
+                                   "torch.distributed._functional_collectives.all_to_all_single_autograd",
+                                   "torch.distributed._functional_collectives.all_to_all_single")
+
+
+def pair(answer, names: str, what: str) -> tuple:
+    expect(isinstance(answer, (tuple, list)) and len(answer) == 2, f"{what} should return a pair ({names})")
+    return answer[0], answer[1]
+
+
+def integer_array(value, shape: tuple, name: str, what: str) -> np.ndarray:
+    expect(isinstance(value, np.ndarray), f"{what}: {name} should be a numpy array, not {type(value).__name__}")
+    expect(value.shape == shape, f"{what}: {name} has shape {value.shape}, expected {shape}")
+    expect(value.dtype.kind in "iu", f"{what}: {name} should hold integers, not {value.dtype}")
+    return value
+
+
+def first_slip(actual: np.ndarray, slips: dict, rtol: float = 1e-9, atol: float = 1e-12) -> str | None:
+    """The feedback of the first known mistake (feedback -> the value, or values, it gives) that
+    `actual` equals."""
+    for feedback, values in slips.items():
+        for value in values if isinstance(values, list) else [values]:
+            if value.shape == actual.shape and np.allclose(actual, value, rtol=rtol, atol=atol):
+                return feedback
+    return None
+
+
+def skewed_choices(rng, tokens: int, experts: int, k: int) -> np.ndarray:
+    """Each token's k distinct experts, popular experts more often (so that capacity binds)."""
+    popularity = rng.standard_normal(experts) * 1.5
+    scores = popularity + rng.gumbel(size=(tokens, experts))
+    return np.argsort(-scores, axis=1)[:, :k]
+

@@ -15,7 +15,7 @@ c·p + s of the p·v pieces the model is cut into, so a micro-batch visits stage
 Micro-batches, chunks and stages are numbered from 0.
 
 `simulate` times a schedule; book, notebook explorer and grader all draw and check these
-functions. The grader's oracle is a separate event simulation (grader/checks/pp.py), and
+functions. The grader's oracle is a separate event simulation (grader/checks/pp/schedules.py), and
 tests/test_pp_pipeline.py holds the two and the closed forms to each other.
 """
 from __future__ import annotations

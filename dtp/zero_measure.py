@@ -143,11 +143,16 @@ def held_bytes(parameters, **roots) -> dict:
 # --- full weights and gradients over time -----------------------------------------------------
 
 _SETTLE_ATTEMPTS, _SETTLE_PAUSE_S = 50, 0.001
+# Waiting for gloo to let go before an excess of units or a stale gradient counts: a few ms as a
+# rule; the bound is only reached by a rank that really kept them, and only once per run.
+_CONFIRM_ATTEMPTS = 2000
 
 # c10d operations whose first argument receives data from other ranks.
 _RECEIVING = {"allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_coalesced_",
               "broadcast_", "allreduce_", "allreduce_coalesced_", "recv_", "recv_any_source_", "alltoall_",
               "alltoall_base_", "gather_", "scatter_"}
+# c10d operations that reduce-scatter their input (the second argument on).
+_REDUCE_SCATTERING = {"reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"}
 # aten operations that move values without computing new ones: their outputs are copies of inputs.
 # (Composite operations such as reshape, contiguous or pad reach a dispatch mode as these.)
 _MOVING = {"cat", "stack", "clone", "_to_copy", "copy", "copy_", "index_select", "index", "constant_pad_nd",
@@ -166,17 +171,40 @@ class FullTensorTracker(TorchDispatchMode):
     `tracker.phase = "forward"` labels what follows; `peaks` maps each phase to the most bytes of
     full weights alive after any one operation in it; `grad_peaks` the same for the gradients of
     `watched` parameters (storages that were ever their `.grad`, alive wherever they are kept);
-    with `keep_history`, `history` lists (phase, bytes of full weights alive) after every operation."""
+    with `keep_history`, `history` lists (phase, bytes of full weights alive) after every operation.
 
-    def __init__(self, watched_parameters=(), keep_history: bool = False):
+    Per unit, from the order of the operations this rank ran (never from how long they took):
+    - every gathering collective is one gathered unit; `unit_peaks` maps each phase to the most
+      units whose gathered weights (or copies of them) were alive at once;
+    - with `follow_reductions`, every copy of a watched parameter's gradient is followed too, and
+      a reduce-scatter of such a copy marks that parameter reduced; `stale` is the first moment
+      (phase, parameter indices, bytes) at which gradients of parameters reduced before the latest
+      reduce-scatter were still alive: once the next unit is reduce-scattered, the previous
+      unit's full gradient must be gone. `new_step()` starts a step afresh.
+    Gloo's worker thread lets go of a finished collective's buffers a moment after the caller's
+    wait returns; a count above `unit_limit` (when given), or a stale gradient, is therefore confirmed only if
+    it is still there once gloo has let go (`_settle`), so that a busy machine cannot fail a rank
+    that kept nothing. After one confirmed excess it records without waiting again."""
+
+    def __init__(self, watched_parameters=(), keep_history: bool = False, unit_limit: int | None = None,
+                 follow_reductions: bool = False):
         super().__init__()
         self.history: list[tuple[str, int]] | None = [] if keep_history else None  # (phase, full bytes) per operation
         self.phase = "start"
-        self.full: dict[StorageWeakRef, None] = {}
+        self.full: dict[StorageWeakRef, frozenset] = {}  # storage -> the gathers (numbered) its values came from
         self.grads: dict[StorageWeakRef, None] = {}
         self.watched = list(watched_parameters)
         self.peaks: dict[str, int] = {}
         self.grad_peaks: dict[str, int] = {}
+        self.unit_peaks: dict[str, int] = {}
+        self.unit_limit = unit_limit
+        self.follow_reductions = follow_reductions
+        self.gradient_copies: dict[StorageWeakRef, frozenset] = {}  # storage -> watched parameters it copies
+        self.reduced: set[int] = set()
+        self.latest_reduced: frozenset = frozenset()
+        self.stale: dict | None = None
+        self._gathers = 0
+        self._confirmed = False  # an excess outlived the settling once: no more waiting
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -196,25 +224,85 @@ class FullTensorTracker(TorchDispatchMode):
             total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
         return total
 
-    def _is_full(self, tensor) -> bool:
-        return isinstance(tensor, torch.Tensor) and StorageWeakRef(_local(tensor).untyped_storage()) in self.full
+    @staticmethod
+    def _alive_tags(refs: dict) -> set:
+        """The union of the tags of the storages in `refs` still alive."""
+        tags: set = set()
+        for ref in list(refs):
+            if ref.expired():
+                del refs[ref]
+            else:
+                tags |= refs[ref]
+        return tags
 
-    def _mark_full(self, value) -> None:
+    @staticmethod
+    def _ref(tensor) -> StorageWeakRef:
+        return StorageWeakRef(_local(tensor).untyped_storage())
+
+    def _tags(self, refs: dict, tensors) -> frozenset:
+        found: frozenset = frozenset()
+        for tensor in tensors:
+            found |= refs.get(self._ref(tensor), frozenset())
+        return found
+
+    def _is_full(self, tensor) -> bool:
+        return isinstance(tensor, torch.Tensor) and self._ref(tensor) in self.full
+
+    def _mark(self, refs: dict, value, tags: frozenset) -> None:
         for tensor in tree_leaves(value):
             if isinstance(tensor, torch.Tensor):
-                self.full[StorageWeakRef(_local(tensor).untyped_storage())] = None
+                ref = self._ref(tensor)
+                refs[ref] = refs.get(ref, frozenset()) | tags
+
+    def new_step(self) -> None:
+        """Forget the previous step's peaks and reductions (its gradients were cleared)."""
+        for record in (self.peaks, self.grad_peaks, self.unit_peaks):
+            record.clear()
+        self.reduced, self.latest_reduced, self.stale = set(), frozenset(), None
+
+    def _register_gradients(self) -> None:
+        for index, parameter in enumerate(self.watched):
+            if parameter.grad is not None:
+                ref = self._ref(parameter.grad)
+                self.grads[ref] = None
+                if self.follow_reductions:
+                    self.gradient_copies[ref] = self.gradient_copies.get(ref, frozenset()) | {index}
+
+    def _units_alive(self) -> int:
+        return len(self._alive_tags(self.full))
+
+    def _stale_parameters(self) -> set:
+        return (self.reduced - self.latest_reduced) & self._alive_tags(self.gradient_copies)
+
+    def _settle(self, excess) -> None:
+        """Wait for gloo's worker to let go while `excess()` is true; give up for good (and stop
+        waiting in later calls) if it outlives the wait."""
+        for _ in range(_CONFIRM_ATTEMPTS):
+            if not excess():
+                return
+            time.sleep(_SETTLE_PAUSE_S)
+        self._confirmed = excess()
 
     def sample(self) -> None:
-        """Record the bytes alive now under the current phase."""
-        for parameter in self.watched:
-            if parameter.grad is not None:
-                self.grads[StorageWeakRef(parameter.grad.untyped_storage())] = None
+        """Record the bytes (and units) alive now under the current phase."""
+        self._register_gradients()
+        if self.unit_limit is not None and not self._confirmed and self._units_alive() > self.unit_limit:
+            self._settle(lambda: self._units_alive() > self.unit_limit)
+        units = self._units_alive()
+        self.unit_peaks[self.phase] = max(self.unit_peaks.get(self.phase, 0), units)
         alive = self._alive_bytes(self.full)
         self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), alive)
         if self.history is not None:
             self.history.append((self.phase, alive))
         if self.watched:
             self.grad_peaks[self.phase] = max(self.grad_peaks.get(self.phase, 0), self._alive_bytes(self.grads))
+        if self.follow_reductions and self.stale is None and self._stale_parameters():
+            if not self._confirmed:
+                self._settle(lambda: bool(self._stale_parameters()))
+            stale = self._stale_parameters()
+            if stale:
+                self.stale = {"phase": self.phase, "parameters": sorted(stale),
+                              "bytes": sum(self.watched[i].numel() * self.watched[i].element_size() for i in stale)}
 
     def _settled_bytes(self, refs: dict) -> int:
         """Bytes alive once gloo has let go: its worker thread drops its reference to a finished
@@ -247,20 +335,50 @@ class FullTensorTracker(TorchDispatchMode):
     # --- the dispatch hook ---
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.follow_reductions:
+            self._register_gradients()  # a gradient set since the last operation is followed from its first use
         out = func(*args, **kwargs)
         namespace, name = func.namespace, func.overloadpacket.__name__
         if namespace == "c10d" and name in _RECEIVING and args:
-            self._mark_full(args[0])
+            self._gathers += 1
+            self._mark(self.full, args[0], frozenset([self._gathers]))
         elif (namespace == "aten" and name in _MOVING) or (namespace, name) in _MOVING_ELSEWHERE:
             in_place = name.endswith("_")
             sources = tree_leaves((args[1:] if in_place else args, {k: v for k, v in kwargs.items() if k != "out"}))
-            if any(self._is_full(t) for t in sources):
-                self._mark_full(out)
-                self._mark_full(kwargs.get("out"))  # split_with_sizes_copy(..., out=[...]) and the like
+            tags = self._tags(self.full, [t for t in sources if isinstance(t, torch.Tensor)])
+            if tags:
+                self._mark(self.full, out, tags)
+                self._mark(self.full, kwargs.get("out"), tags)  # split_with_sizes_copy(..., out=[...]) and the like
                 if in_place and args:
-                    self._mark_full(args[0])  # copy_(destination, source): the destination now holds it
+                    self._mark(self.full, args[0], tags)  # copy_(destination, source): the destination now holds it
+        if self.follow_reductions:
+            self._follow_gradient_copies(namespace, name, args, kwargs, out)
         self.sample()
         return out
+
+    def _follow_gradient_copies(self, namespace, name, args, kwargs, out) -> None:
+        """A tensor made from a watched gradient with at least its elements (a padded copy, a
+        scaled one, a concatenation) is a copy of that full gradient; a reduce-scatter of one
+        marks its parameters reduced."""
+        if namespace == "c10d" and name in _REDUCE_SCATTERING:
+            sources = [t for t in tree_leaves(args[1:]) if isinstance(t, torch.Tensor)]
+            reduced = self._tags(self.gradient_copies, sources)
+            if reduced:
+                self.reduced |= reduced
+                self.latest_reduced = reduced
+            return
+        if namespace != "aten":
+            return
+        in_place = name.endswith("_")
+        sources = [t for t in tree_leaves((args[1:] if in_place else args, kwargs)) if isinstance(t, torch.Tensor)]
+        tagged = [t for t in sources if self._ref(t) in self.gradient_copies]
+        if not tagged:
+            return
+        tags, smallest = self._tags(self.gradient_copies, tagged), min(t.numel() for t in tagged)
+        targets = [args[0]] if in_place and args else tree_leaves((out, kwargs.get("out")))
+        for target in targets:
+            if isinstance(target, torch.Tensor) and target.numel() >= smallest:
+                self._mark(self.gradient_copies, target, tags)
 
 
 # --- bytes gloo itself sent -------------------------------------------------------------------

@@ -14,6 +14,7 @@ from .zero_measure import FullTensorTracker, clear_gradients, held_bytes, optimi
 
 ADAM = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-4}  # eps ≫ float32 rounding of a gradient near zero
 STEPS, ROWS_PER_RANK = 3, 4
+GATHERED_UNITS_LIMIT = 2  # ZeRO-3: the unit running, and one more (the next one prefetched, say)
 
 
 def batches(sizes, batch_seed: int, world_size: int, steps: int = STEPS):
@@ -37,7 +38,9 @@ def train_zero_rank(rank, world_size, stage, make, sizes, seed, batch_seed, step
     the loss, the weights after the step, the collectives (`events`), the bytes held after
     backward (`held`), the full gradients alive after backward and their peak during it, the full
     weights alive (peaks in forward and backward, what is left after backward and after the
-    step), and once the summed |exp_avg| of Adam after the first step.
+    step), the most gathered units alive at once in forward and in backward (stage 3), the first
+    full gradient still alive after a later unit's reduce-scatter (stage 2, None if none), and
+    once the summed |exp_avg| of Adam after the first step.
 
     stage 0: plain data parallelism (torch Adam, gradients all-reduced); stages 1 and 2:
     `make(model, lr=..., betas=..., eps=...)` returns a wrapper whose step() is called after
@@ -62,12 +65,14 @@ def train_zero_rank(rank, world_size, stage, make, sizes, seed, batch_seed, step
         wrapper = make(model, **ADAM)
         forward, watched, roots = model, parameters, {"model": model, "zero": wrapper}
         weights, step_function = parameters, wrapper.step
-    tracker = FullTensorTracker(watched)
+    # ZeRO-3 counts the gathered units alive (two at most, once gloo has let go); ZeRO-2 follows
+    # each full gradient until the next unit's reduce-scatter.
+    tracker = FullTensorTracker(watched, unit_limit=GATHERED_UNITS_LIMIT if stage == 3 else None,
+                                follow_reductions=stage == 2)
     outcome = {"losses": [], "states": [], "events": [], "held": [], "full grads after backward": [],
-               "grad peak": [], "full weights": [], "exp_avg": None}
+               "grad peak": [], "full weights": [], "gathered units": [], "stale gradients": [], "exp_avg": None}
     for step, (inputs, targets) in enumerate(batches(sizes, batch_seed, world_size, steps)):
-        tracker.peaks.clear()
-        tracker.grad_peaks.clear()
+        tracker.new_step()
         with CommunicationLog() as log, tracker:
             log.mark("forward")
             tracker.phase = "forward"
@@ -89,6 +94,8 @@ def train_zero_rank(rank, world_size, stage, make, sizes, seed, batch_seed, step
                                         "backward": tracker.peaks.get("backward", 0),
                                         "after backward": after_backward, "after step": tracker.full_bytes_alive()})
         outcome["grad peak"].append(tracker.grad_peaks.get("backward", 0))
+        outcome["gathered units"].append({phase: tracker.unit_peaks.get(phase, 0) for phase in ("forward", "backward")})
+        outcome["stale gradients"].append(tracker.stale)
         outcome["losses"].append(float(loss.detach()))
         outcome["events"].append([{key: e[key] for key in ("op", "bytes", "label") if key in e} for e in log.events])
         if step == 0:  # Adam's first momentum is (1 - beta1)·(the gradient it stepped with)

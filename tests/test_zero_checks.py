@@ -192,6 +192,61 @@ def test_zero2_rejects(tmp_notebook, source, feedback):
     assert_fails(graded(tmp_notebook, "zero.zero2", {"ZeRO2Adam": source}), feedback)
 
 
+# Held until the end of backward (the first layer's hooks, the last to run), so nothing is left
+# after backward and never all of them at once: only the order of reduce-scatters and frees shows it.
+ZERO2_KEEPS_ALL_BUT_THE_FIRST_LAYER = '''
+class ZeRO2Adam(ZeRO1Adam):
+    def __init__(self, model, lr, betas, eps):
+        super().__init__(model, lr, betas, eps)
+        self.first_layer = set(map(id, self.parameters[:2]))
+        self.kept = []
+        for parameter, piece in zip(self.parameters, self.pieces):
+            parameter.register_post_accumulate_grad_hook(self.reduce_as_produced(piece))
+
+    def reduce_as_produced(self, piece):
+        def hook(parameter):
+            piece.grad = reduce_scatter_mean(parameter.grad)
+            if id(parameter) in self.first_layer:
+                self.kept.clear()  # backward is ending: the kept gradients go now
+            else:
+                self.kept.append(parameter.grad)
+            parameter.grad = None
+        return hook
+
+    def step(self):
+        self.update_and_gather()
+'''
+
+# Reduce-scatters every gradient once backward has produced them all, freeing each right after.
+ZERO2_REDUCES_AT_THE_END_OF_BACKWARD = '''
+class ZeRO2Adam(ZeRO1Adam):
+    def __init__(self, model, lr, betas, eps):
+        super().__init__(model, lr, betas, eps)
+        self.ready = []
+        for parameter, piece in zip(self.parameters, self.pieces):
+            parameter.register_post_accumulate_grad_hook(lambda p, piece=piece: self.produced(p, piece))
+
+    def produced(self, parameter, piece):
+        self.ready.append((parameter, piece))
+        if len(self.ready) == len(self.parameters):
+            for done, its_piece in self.ready:
+                its_piece.grad = reduce_scatter_mean(done.grad)
+                done.grad = None
+            self.ready = []
+
+    def step(self):
+        self.update_and_gather()
+'''
+
+
+@pytest.mark.parametrize("source, feedback", [
+    (ZERO2_KEEPS_ALL_BUT_THE_FIRST_LAYER, "after they had been reduce-scattered"),
+    (ZERO2_REDUCES_AT_THE_END_OF_BACKWARD, "at once"),
+], ids=["keeps-all-but-one-layer-until-backward-ends", "reduces-all-at-the-end-of-backward"])
+def test_zero2_requires_each_full_gradient_gone_once_reduced(tmp_notebook, source, feedback):
+    assert_fails(graded(tmp_notebook, "zero.zero2", {"ZeRO2Adam": source}), feedback)
+
+
 ZERO2_LAYER_BUCKETS = '''
 class ZeRO2Adam:
     """One flat piece per layer (weight and bias): reduce-scattered once both gradients are ready."""
@@ -257,6 +312,29 @@ ZERO3_KEEPS_THE_MODEL = changed(ZERO3_CELL, (
      "uses the course's reference"),
 ], ids=["saves-gathered-weights", "holds-every-layer", "keeps-the-layers", "averages-twice", "fully-shard"])
 def test_zero3_rejects(tmp_notebook, source, feedback):
+    assert_fails(graded(tmp_notebook, "zero.zero3", {"ZeRO3Module": source}), feedback)
+
+
+# Every layer but the first keeps its gathered weights from forward to its backward (which still
+# gathers again): fewer bytes than all the weights, but three layers gathered at once.
+ZERO3_KEEPS_ALL_BUT_ONE_LAYER = changed(ZERO3_CELL, (
+    "        ctx.save_for_backward(inputs, piece)  # the piece, not the gathered weight: that is freed on return",
+    "        kept = (layer,) if in_features != 8 else ()  # all but the first layer (the check's models take 8 inputs)\n"
+    "        ctx.save_for_backward(inputs, piece, *kept)"), (
+    "        inputs, piece = ctx.saved_tensors", "        inputs, piece = ctx.saved_tensors[:2]"))
+
+# The same in forward only: a list of gathered layers, emptied at the end of forward.
+ZERO3_HOLDS_ALL_BUT_ONE_IN_FORWARD = changed(ZERO3_CELL, (
+    "        ctx.save_for_backward(inputs, piece)  # the piece, not the gathered weight: that is freed on return",
+    "        if in_features != 8:\n            HELD.append(layer)\n        ctx.save_for_backward(inputs, piece)"), (
+    "        return x\n", "        HELD.clear()\n        return x\n")) + "\n\nHELD = []\n"
+
+
+@pytest.mark.parametrize("source, feedback", [
+    (ZERO3_KEEPS_ALL_BUT_ONE_LAYER, "held the gathered weights of 3 layers at once"),
+    (ZERO3_HOLDS_ALL_BUT_ONE_IN_FORWARD, "during forward in step 2 rank 0 held the gathered weights of 3 layers"),
+], ids=["saves-all-but-one-for-backward", "holds-all-but-one-in-forward"])
+def test_zero3_allows_at_most_two_gathered_layers(tmp_notebook, source, feedback):
     assert_fails(graded(tmp_notebook, "zero.zero3", {"ZeRO3Module": source}), feedback)
 
 

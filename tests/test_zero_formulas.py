@@ -234,3 +234,41 @@ def _released_after_gather(rank, world_size):
 
 def test_the_releasing_log_lets_gathered_tensors_go():
     assert all(run_world(_released_after_gather, 2))
+
+
+def _units_and_stale_gradients(rank, world_size):
+    """Gathered units counted alive, and gradients followed past their reduce-scatter, by the
+    order of operations alone."""
+    counting = FullTensorTracker(unit_limit=2)
+    with counting:
+        kept = []
+        for _ in range(3):  # three units gathered and kept
+            gathered = torch.empty(4 * world_size)
+            dist.all_gather_single(gathered, torch.ones(4))
+            kept.append(gathered[:3].clone())  # a copy of a gathered unit is that unit
+            del gathered
+        kept.clear()
+        for _ in range(3):  # three units gathered one at a time
+            gathered = torch.empty(4 * world_size)
+            dist.all_gather_single(gathered, torch.ones(4))
+            del gathered
+            torch.zeros(1)
+    parameters = [torch.nn.Parameter(torch.zeros(6)) for _ in range(3)]
+    following = FullTensorTracker(parameters, follow_reductions=True)
+    with following:
+        held = []
+        for parameter in parameters:
+            parameter.grad = torch.ones(6)
+            padded = torch.zeros(6 * world_size)
+            padded[:6] = parameter.grad * 0.5  # a scaled, padded copy is the same full gradient
+            dist.reduce_scatter_single(torch.empty(6), padded)
+            held.append(padded)  # kept after its reduce-scatter
+            parameter.grad = None
+        torch.zeros(1)
+    return counting.unit_peaks["start"], following.stale
+
+
+def test_the_tracker_counts_gathered_units_and_follows_reduced_gradients():
+    units, stale = run_world(_units_and_stale_gradients, 2)[0]
+    assert units == 3
+    assert stale is not None and stale["parameters"] == [0] and stale["bytes"] == 24

@@ -105,6 +105,7 @@ class StageJudge:
     def __init__(self, stage: int, n: int, sizes, seed: int, batch_seed: int, per_rank: list[dict], what: str):
         self.stage, self.n, self.sizes, self.per_rank, self.what = stage, n, sizes, per_rank, what
         self.parameter_sizes = _parameter_sizes(sizes)
+        self.parameter_names = [name for name, _ in tiny_mlp(sizes).named_parameters()]
         self.psi = sum(self.parameter_sizes)
         self.reference = zero_runs.single_process_adam(sizes, seed, zero_runs.batches(sizes, batch_seed, n), n)
         self.units: list[int] = []
@@ -311,15 +312,36 @@ class StageJudge:
                f"{self.name}: during backward in step {step + 1} rank {rank} held all {peak} bytes of full gradients "
                "at once: reduce-scatter each gradient as backward produces it (a post-accumulate-grad hook) and "
                "free it there")
+        stale = outcome["stale gradients"][step]
+        if stale is not None:
+            names = [self.parameter_names[i] for i in stale["parameters"]]
+            raise CheckFailed(
+                f"{self.name}: during {stale['phase']} in step {step + 1} rank {rank} still held the full "
+                f"gradient{'s' if len(names) > 1 else ''} of {', '.join(names)} ({stale['bytes']} bytes) after they "
+                "had been reduce-scattered and the next gradient had been reduce-scattered too: ZeRO-2 frees each "
+                "full gradient as soon as its piece is averaged (parameter.grad = None in the hook, and no other "
+                "reference to it, in a list or on the wrapper), so that one unit's full gradient at most is alive")
 
     def full_weights(self, rank: int, step: int, outcome: dict) -> None:
         record = outcome["full weights"][step]
         total = zero.FP32_ITEMSIZE * self.psi
+        units = outcome["gathered units"][step]
+        # A unit is what one all-gather brings (a layer, or a parameter where each is sharded on its own).
+        per_layer = -(-len(self.units) // (len(self.sizes) - 1))
+        allowed = zero_runs.GATHERED_UNITS_LIMIT * per_layer
+        what = "layers" if per_layer == 1 else "layers' worth of units"
         for phase in ("forward", "backward"):
             expect(record[phase] < total,
                    f"{self.name}: during {phase} in step {step + 1} rank {rank} held {record[phase]} bytes of "
                    f"gathered weights at once, all {total} bytes of them: gather each layer's weights just before "
                    "it runs and free them right after")
+            expect(units[phase] <= allowed,
+                   f"{self.name}: during {phase} in step {step + 1} rank {rank} held the gathered weights of "
+                   f"{-(-units[phase] // per_layer)} layers at once (up to {record[phase]} of the {total} bytes of "
+                   f"weights): ZeRO-3 keeps a layer gathered only while it runs, so at most "
+                   f"{zero_runs.GATHERED_UNITS_LIMIT} {what} are alive at any time. Free each layer's gathered "
+                   "weights right after its forward (save the piece for backward, not the weights, nor a list of "
+                   "them) and gather them again in backward")
         for moment in ("after backward", "after step"):
             expect(record[moment] == 0,
                    f"{self.name}: {moment} in step {step + 1} rank {rank} still holds {record[moment]} bytes of "
@@ -402,10 +424,13 @@ class ZeRO1(ZeroStageCheck):
 class ZeRO2(ZeroStageCheck):
     """Verifies: as zero.zero1 (2 and 3 ranks), and the gradients: each is reduce-scattered
     during backward and dropped there, so no full gradient is alive after backward (anywhere in
-    the process: the storages that were a .grad are followed), never all of them at once during
-    backward, and the rank keeps only the averaged gradient of its pieces.
-    Fakes: keeping full gradients (or references to them), or reduce-scattering after backward,
-    show in the followed storages and the recorded order."""
+    the process: the storages that were a .grad, and every copy made of them, are followed),
+    never all of them at once during backward, a unit's full gradient is gone once the next
+    unit is reduce-scattered (per parameter, from the order of the rank's operations, once gloo
+    has let go of its buffers), and the rank keeps only the averaged gradient of its pieces.
+    Fakes: keeping full gradients (or references to them) until the end of backward or for
+    good, or reduce-scattering after backward, show in the followed storages and the recorded
+    order."""
 
     reads = ("ZeRO2Adam",)
     references = (ZERO_OPTIMIZER,)
@@ -421,9 +446,12 @@ class ZeRO3(ZeroStageCheck):
     together in the grader); the module's parameters are the rank's padded pieces only; every
     unit is all-gathered once in forward and again in backward (units with a weight matrix), and
     reduce-scattered once; gathered weights, followed through every copy by a dispatch mode,
-    never amount to all weights at once and are all freed after backward and after the step.
-    Fakes: torch's fully_shard/FSDP trip; keeping gathered weights for backward (the followed
-    storages, and the missing all-gathers); keeping the full model inside the module (bytes)."""
+    come from at most two layers' all-gathers at any moment (counted after every operation,
+    once gloo has let go of its buffers; never judged by time), never amount to all weights, and
+    are all freed after backward and after the step.
+    Fakes: torch's fully_shard/FSDP trip; keeping gathered weights for backward, all or all but
+    one (the gathers counted alive, and the missing all-gathers); keeping the full model inside
+    the module (bytes)."""
 
     reads = ("ZeRO3Module",)
     references = FSDP_REFERENCES

@@ -165,6 +165,42 @@ class TensorShapes(TorchDispatchMode):
         return result
 
 
+class SavedForBackward:
+    """`with SavedForBackward(module) as saved:` records a copy of every floating-point tensor
+    that autograd saves for backward while the block runs, parameters excluded: what a rank keeps
+    between its forward and its backward. A region under torch.utils.checkpoint saves its inputs
+    only (its own saves go to checkpoint's hooks and are recomputed), so they are not recorded."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self.tensors: list[np.ndarray] = []
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point() and tensor.untyped_storage().data_ptr() not in self._parameters:
+            self.tensors.append(tensor.detach().to(torch.float32).numpy().copy())
+        return tensor  # autograd keeps the tensor itself: recording changes nothing
+
+    def __enter__(self) -> "SavedForBackward":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def rows_found(kept: np.ndarray, rows: np.ndarray, atol: float) -> int:
+    """How many of `rows` (shape (R, h)) appear, within atol, among the h-vectors of `kept` (any
+    tensor whose size h divides, read as rows of h consecutive values, as (b, s, h) and
+    (t·b, s/t, h) layouts store them)."""
+    hidden = rows.shape[1]
+    if kept.size == 0 or kept.size % hidden:
+        return 0
+    candidates = kept.reshape(-1, hidden).astype(np.float64)
+    distance = np.abs(candidates[:, None, :] - rows[None, :, :]).max(axis=-1)
+    return int((distance.min(axis=0) <= atol).sum())
+
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather",
                "scatter", "send", "recv", "barrier")
 

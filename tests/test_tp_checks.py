@@ -471,37 +471,76 @@ def all_reduce_replicated_gradients(block):
 '''
 
 
+SP_KEEPING_THE_GATHERED_INPUT = '''
+class SequenceParallelBlock(TensorParallelBlock):
+    """The new operators, and autograd left alone: the column-parallel layers keep the gathered sequence."""
+    def __init__(self, block):
+        super().__init__(block, enter=gather_sequence, leave=reduce_scatter_sequence)
+'''
+
+SP_GATHER_WITH_VIEW = '''
+def all_gather_along_sequence(shard):
+    n_ranks = dist.get_world_size()
+    batch, seq, hidden = shard.shape
+    gathered = torch.empty((n_ranks * batch, seq, hidden), dtype=shard.dtype)
+    dist.all_gather_single(gathered, shard.contiguous())
+    return gathered.view(batch, n_ranks * seq, hidden)  # right only for batch 1: ranks' shards are stacked on dim 0
+
+
+def reduce_scatter_along_sequence(full):
+    n_ranks = dist.get_world_size()
+    batch, seq, hidden = full.shape
+    shard = torch.empty((batch, seq // n_ranks, hidden), dtype=full.dtype)
+    dist.reduce_scatter_single(shard, full.contiguous().view(n_ranks * batch, seq // n_ranks, hidden))
+    return shard
+'''
+
+
 @pytest.mark.parametrize("replacements, feedback", [
+    ({"SequenceParallelBlock": SP_KEEPING_THE_GATHERED_INPUT}, "keeps for backward a tensor of shape"),
+    ({"all_gather_along_sequence": SP_GATHER_WITH_VIEW}, "differs from the reference"),
     ({"SequenceParallelBlock": SP_AS_TP_AND_A_SLICE}, "forward issued"),
     ({"GatherSequence": GATHER_WITHOUT_REDUCE_SCATTER}, "backward issued"),
     ({"all_reduce_replicated_gradients": "def all_reduce_replicated_gradients(block):\n    pass\n"},
      "issued no collective"),
     ({"all_reduce_replicated_gradients": SYNC_EVERYTHING}, "gradients of the replicated parameters only"),
     ({"all_reduce_replicated_gradients": SYNC_AVERAGE}, "not averaged"),
-], ids=["tensor-parallel-and-a-slice", "gather-backward-without-reduce-scatter", "no-gradient-sync",
+], ids=["keeps-the-gathered-input", "gathered-with-view", "tensor-parallel-and-a-slice",
+        "gather-backward-without-reduce-scatter", "no-gradient-sync",
         "sync-every-gradient", "sync-averages"])
 def test_sequence_parallel_rejects(tmp_notebook, replacements, feedback):
     assert_rejected(verdict(tmp_notebook, replacements, "tp.sequence_parallel"), feedback)
 
 
-SP_REGATHERING_IN_BACKWARD = '''
-from torch.utils.checkpoint import checkpoint
+SP_REGATHERING_IN_ITS_OWN_BACKWARD = '''
+class GatheredLinear(torch.autograd.Function):
+    """Megatron-LM's way: save the sequence piece, all-gather it again in backward for the weight gradient."""
+    @staticmethod
+    def forward(ctx, shard, weight, bias):
+        ctx.save_for_backward(shard, weight)
+        return F.linear(all_gather_along_sequence(shard), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        shard, weight = ctx.saved_tensors
+        full = all_gather_along_sequence(shard)
+        grad_weight = grad_output.flatten(0, -2).T @ full.flatten(0, -2)
+        return reduce_scatter_along_sequence(grad_output @ weight), grad_weight, grad_output.flatten(0, -2).sum(0)
 
 
-class Recomputed(nn.Module):
-    """Keeps only its input (the sequence piece) and runs the gather and the layer again in backward."""
-    def __init__(self, inner):
+class PieceKeepingColumn(nn.Module):
+    def __init__(self, column):
         super().__init__()
-        self.inner = inner
+        self.weight, self.bias = column.weight, column.bias
 
-    def forward(self, x):
-        return checkpoint(self.inner, x, use_reentrant=False)
+    def forward(self, shard):
+        return GatheredLinear.apply(shard, self.weight, self.bias)
 
 
 class SequenceParallelBlock(TensorParallelBlock):
     def __init__(self, block):
         super().__init__(block, enter=gather_sequence, leave=reduce_scatter_sequence)
-        self.attention.qkv, self.mlp.up = Recomputed(self.attention.qkv), Recomputed(self.mlp.up)
+        self.attention.qkv, self.mlp.up = PieceKeepingColumn(self.attention.qkv), PieceKeepingColumn(self.mlp.up)
 '''
 
 SP_WITH_LIST_COLLECTIVES = '''
@@ -519,12 +558,22 @@ def reduce_scatter_along_sequence(full):
 '''
 
 
-@pytest.mark.parametrize("replacements", [{"SequenceParallelBlock": SP_REGATHERING_IN_BACKWARD},
+@pytest.mark.parametrize("replacements", [{"SequenceParallelBlock": SP_REGATHERING_IN_ITS_OWN_BACKWARD},
                                           {"all_gather_along_sequence": SP_WITH_LIST_COLLECTIVES}],
-                         ids=["all-gather-repeated-in-backward", "list-collectives"])
+                         ids=["autograd-function-regathering", "list-collectives"])
 def test_sequence_parallel_accepts(tmp_notebook, replacements):
     result = verdict(tmp_notebook, replacements, "tp.sequence_parallel")
     assert result.status == "passed", result
+
+
+def test_sequence_parallel_draws_batches_that_tell_view_from_concatenation():
+    import numpy as np
+
+    from grader.registry import find_exercise
+    check = find_exercise("tp.sequence_parallel").check
+    for seed in range(200):  # every grading, both worlds: batch > 1, where view and cat differ
+        for n, case in check.prepare(np.random.default_rng(seed)):
+            assert case["x"].shape[0] > 1 and case["x"].shape[1] % n == 0
 
 
 # --- exercise 6: vocabulary-parallel embedding and cross-entropy ---

@@ -1,11 +1,12 @@
 """Every closed form of dtp.tensor_parallel (the numbers the tensor-parallelism page prints)
 against a count on a real gloo world running the course's solution, a FLOP counter, or the
 memory chapter's formula; and the measuring tools the checks rely on."""
+import functools
+
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import solution_path
@@ -92,19 +93,28 @@ def test_ring_traffic_per_gpu_is_what_a_ring_sends(course, course_ring, t):
     assert forward_only * 2 == sent[0]
 
 
+def keeping_gathered_inputs(course):
+    """The tensor-parallel block with the sequence-parallel operators and nothing else: autograd
+    keeps the column-parallel layers' gathered inputs, and backward does not gather again."""
+    return functools.partial(course.TensorParallelBlock, enter=course.gather_sequence, leave=course.reduce_scatter_sequence)
+
+
 @pytest.mark.parametrize("t", [2, 4])
 def test_sequence_parallelism_sends_what_tensor_parallelism_sends(course, t):
     """An all-gather of S/t per rank forwards t-1 pieces: (t-1)/t·S; a reduce-scatter of S sends
-    (t-1)/t·S in a ring: together the 2(t-1)/t·S of the all-reduce they replace."""
+    (t-1)/t·S in a ring: together the 2(t-1)/t·S of the all-reduce they replace. Gathering the
+    kept piece again in backward (exercise 5) adds 2 all-gathers to the backward."""
     batch, seq, hidden = 2, 4, 16
     x = torch.randn(batch, seq, hidden)
-    for outcome in run_world(_block_traffic, t, (course.SequenceParallelBlock, None, x, True)):
+    for outcome in run_world(_block_traffic, t, (keeping_gathered_inputs(course), None, x, True)):
         ring_bytes = 0.0
         for phase in ("forward", "backward"):
             assert sorted(outcome[phase]) == ["all_gather", "reduce_scatter"]
             ring_bytes += sum((t - 1) * size for size in outcome[phase]["all_gather"])
             ring_bytes += sum((t - 1) / t * size for size in outcome[phase]["reduce_scatter"])
         assert ring_bytes == pytest.approx(tp.ring_bytes_per_gpu_per_layer(batch * seq, hidden, t, 4))
+    for outcome in run_world(_block_traffic, t, (course.SequenceParallelBlock, None, x, True)):
+        assert len(outcome["backward"]["all_gather"]) == 4 and len(outcome["backward"]["reduce_scatter"]) == 2
 
 
 def test_layer_flops_match_the_flop_counter_and_the_memory_chapter():
@@ -132,41 +142,50 @@ def test_sequence_parallel_saving_is_10sbh_times_1_minus_1_over_t():
     assert paper_terms == pytest.approx(tp.sequence_parallel_saving_bytes(s, b, h, 8, t))
 
 
-class Recomputed(torch.nn.Module):
-    """Keeps only its input and runs `inner` again in backward (the all-gather included)."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return checkpoint(self.inner, x, use_reentrant=False)
-
-
-def _saved_bytes(rank, world_size, tensor_parallel_class, sequence_parallel_class, shape, dtype, dropout):
+def _saved_bytes(rank, world_size, tensor_parallel_class, keeping_class, sequence_parallel_class, shape, dtype,
+                 dropout):
     batch, seq, hidden = shape
     block = tp.random_block(hidden, 4, 0, dropout=dropout).to(dtype).train()
     x = torch.randn(shape, dtype=dtype, requires_grad=True)
     piece = x.detach().chunk(world_size, dim=1)[rank].clone().requires_grad_()
-    regathering = sequence_parallel_class(block).train()
-    regathering.attention.qkv = Recomputed(regathering.attention.qkv)
-    regathering.mlp.up = Recomputed(regathering.mlp.up)
     return (saved_activation_bytes(tensor_parallel_class(block).train(), x),
-            saved_activation_bytes(sequence_parallel_class(block).train(), piece),
-            saved_activation_bytes(regathering, piece))
+            saved_activation_bytes(keeping_class(block).train(), piece),
+            saved_activation_bytes(sequence_parallel_class(block).train(), piece))
 
 
 @pytest.mark.parametrize("t, dtype, dropout", [(2, torch.bfloat16, 0.1), (4, torch.float32, 0.0)])
 def test_measured_sequence_parallel_saving_term_by_term(course, t, dtype, dropout):
     shape = (2, 16, 32)
     element_bytes = torch.finfo(dtype).bits // 8
-    tensor_parallel, sequence_parallel, regathering = run_world(
-        _saved_bytes, t, (course.TensorParallelBlock, course.SequenceParallelBlock, shape, dtype, dropout))[0]
+    tensor_parallel, keeping, regathering = run_world(
+        _saved_bytes, t, (course.TensorParallelBlock, keeping_gathered_inputs(course), course.SequenceParallelBlock,
+                          shape, dtype, dropout))[0]
     s, b, h = shape[1], shape[0], shape[2]
-    assert tensor_parallel - sequence_parallel == tp.sequence_parallel_saving_on_cpu(
+    assert tensor_parallel - keeping == tp.sequence_parallel_saving_on_cpu(
         s, b, h, t, element_bytes, dropout=dropout > 0, regather=False)
     assert tensor_parallel - regathering == tp.sequence_parallel_saving_on_cpu(
         s, b, h, t, element_bytes, dropout=dropout > 0, regather=True)
+
+
+def _kept_rows(rank, world_size, block_class, x):
+    block = tp.random_block(x.shape[-1], 4, 0)
+    parallel = block_class(block)
+    piece = x.chunk(world_size, dim=1)[rank].clone().requires_grad_()
+    with tp.SavedForBackward(parallel) as saved:
+        parallel(piece)
+    with torch.no_grad():
+        gathered = block.norm1(x)  # what the QKV projection's all-gather produces
+    others = torch.cat([p for r, p in enumerate(gathered.chunk(world_size, dim=1)) if r != rank], dim=1)
+    rows = others.reshape(-1, x.shape[-1]).double().numpy()
+    return max(tp.rows_found(kept, rows, 1e-5) for kept in saved.tensors), len(rows)
+
+
+def test_saved_for_backward_sees_the_gathered_input_only_where_it_is_kept(course):
+    x = torch.randn(2, 4, 16)
+    for found, rows in run_world(_kept_rows, 2, (keeping_gathered_inputs(course), x)):
+        assert found == rows  # the whole gathered sequence, as a (b·s, h) matrix multiply input
+    for found, rows in run_world(_kept_rows, 2, (course.SequenceParallelBlock, x)):
+        assert found == 0
 
 
 def _loss_traffic(rank, world_size, cross_entropy, logits, targets):

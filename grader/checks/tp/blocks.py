@@ -24,7 +24,9 @@ BLOCK_SPLIT = {"attention.qkv.weight", "attention.qkv.bias", "attention.proj.wei
 def _block_case(rng, n: int, sequence_parallel: bool) -> tuple:
     heads = int(rng.choice([4, 8]))
     head_size = int(rng.integers(2, 5))
-    batch = int(rng.integers(1, 3))
+    # Sequence parallelism: batch > 1 always, where a gathered buffer reshaped with `view` instead of
+    # concatenated along the sequence puts one sequence's positions into another.
+    batch = int(rng.integers(2, 4)) if sequence_parallel else int(rng.integers(1, 3))
     seq = n * int(rng.integers(1, 4)) if sequence_parallel else int(rng.integers(2, 7))
     hidden = heads * head_size
     return (n, {"hidden": hidden, "heads": heads, "seed": int(rng.integers(1 << 20)),
@@ -41,14 +43,16 @@ def _block_on_rank(rank, world_size, block_class, sync, case, sequence_parallel)
     x = leaf(x)
     with CommunicationLog() as log:
         log.mark("forward")
-        out = parallel(x)
+        with tp.SavedForBackward(parallel) as saved:  # what the rank keeps until its backward
+            out = parallel(x)
         log.mark("backward")
         run_backward(out, torch.from_numpy(dy), type(parallel).__name__)
         log.mark("sync")
         if sync is not None:
             sync(parallel)
         log.mark("done")
-    return {"out": out, "x_grad": x.grad, "parameters": held_parameters(parallel), "events": events_as_data(log)}
+    return {"out": out, "x_grad": x.grad, "parameters": held_parameters(parallel), "events": events_as_data(log),
+            "kept": saved.tensors if sequence_parallel else []}
 
 
 def dense_block_reference(case) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -61,6 +65,40 @@ def dense_block_reference(case) -> tuple[np.ndarray, np.ndarray, dict[str, np.nd
     out.backward(torch.from_numpy(case["dy"]).double())
     grads = {name: p.grad.numpy() for name, p in reference.named_parameters()}
     return out.detach().numpy(), x.grad.numpy(), values, grads
+
+
+def sequence_wide_activations(case) -> dict[str, np.ndarray]:
+    """The dense block's activations that sequence parallelism never keeps whole, in float64, shape
+    (b, s, h): the inputs of the two column-parallel layers (what the all-gathers produce) and
+    the residual stream and LayerNorm inputs around them."""
+    block = copy.deepcopy(tp.random_block(case["hidden"], case["heads"], case["seed"])).double()
+    with torch.no_grad():
+        x = torch.from_numpy(case["x"]).double()
+        qkv_input = block.norm1(x)
+        after_attention = x + block.attention(qkv_input)
+        mlp_input = block.norm2(after_attention)
+    return {"the all-gathered input of the QKV projection (LayerNorm 1's output)": qkv_input.numpy(),
+            "the all-gathered input of the MLP's first layer (LayerNorm 2's output)": mlp_input.numpy(),
+            "the block's input": x.numpy(), "the residual stream after attention": after_attention.numpy()}
+
+
+def _judge_kept_inputs(case, n: int, per_rank: list[dict], what_block: str) -> None:
+    """No rank keeps, for backward, any of these activations at other ranks' sequence positions:
+    that would hold b·s·h values per rank where sequence parallelism keeps b·s/t·h."""
+    for rank, outcome in enumerate(per_rank):
+        for name, whole in sequence_wide_activations(case).items():
+            others = np.concatenate([piece for r, piece in enumerate(np.array_split(whole, n, axis=1)) if r != rank], axis=1)
+            rows = others.reshape(-1, case["hidden"])
+            atol = 1e-4 * max(1.0, float(np.abs(whole).max()))
+            for kept in outcome["kept"]:
+                # a whole rank's worth of the other positions: the gathered sequence, not a coincidence
+                if tp.rows_found(np.asarray(kept), rows, atol) >= len(rows) // (n - 1):
+                    raise CheckFailed(
+                        f"{what_block} (world {n}): rank {rank} keeps for backward a tensor of shape "
+                        f"{tuple(np.shape(kept))} holding {name} for other ranks' positions of the sequence. Sequence "
+                        "parallelism exists so that a rank keeps only its s/t positions: keep the piece, and all-gather "
+                        "it again in backward (run the QKV projection and the MLP's first layer under "
+                        "torch.utils.checkpoint, or write their backward yourself)")
 
 
 def _judge_heads(located: list[tuple], n: int, hidden: int, heads: int, what: str) -> None:
@@ -135,13 +173,18 @@ class ParallelBlock(Check):
 @exercise("tp.sequence_parallel", points=3)
 class SequenceParallel(Check):
     """Verifies: SequenceParallelBlock(block), fed its rank's piece of the sequence on 2 and 4
-    ranks, returns its piece of the dense block's output and input gradient; after
-    all_reduce_replicated_gradients every gradient equals the dense block's; forward issues
-    2 all-gathers of b·s/t·h floats and 2 reduce-scatters of b·s·h and no all-reduce, backward
-    2 reduce-scatters and 2 all-gathers (4 when the all-gather is repeated in backward, as
-    Megatron-LM does to save memory), and the gradient sync all-reduces exactly the replicated
-    parameters (LayerNorms and the row-parallel biases). Fakes: plain tensor parallelism with
-    a slice at the end (all-reduces recorded); summing every gradient (byte count).
+    ranks (batch > 1 every time), returns its piece of the dense block's output and input
+    gradient; after all_reduce_replicated_gradients every gradient equals the dense block's;
+    forward issues 2 all-gathers of b·s/t·h floats and 2 reduce-scatters of b·s·h and no
+    all-reduce; no rank keeps for backward (autograd's saved tensors) the gathered inputs of
+    the column-parallel layers, or the LayerNorms' or residual stream's values, at other ranks'
+    positions; backward issues 2 reduce-scatters and 4 all-gathers (2 of them gathering the
+    kept piece again); the gradient sync all-reduces exactly the replicated parameters
+    (LayerNorms and the row-parallel biases).
+    Fakes: plain tensor parallelism with a slice at the end (all-reduces recorded); summing every
+    gradient (byte count); a gathered buffer reshaped with `view` (wrong for batch > 1); keeping
+    the gathered input hidden from autograd's saved tensors (an attribute of ctx) still shows
+    in the backward's collectives, which then lack the 2 repeated all-gathers.
     """
 
     reads = ("SequenceParallelBlock", "all_reduce_replicated_gradients")
@@ -163,17 +206,22 @@ class SequenceParallel(Check):
             replicated_bytes = 6 * hidden * 4
             for rank, outcome in enumerate(per_rank):
                 what = f"world {n}, rank {rank}: SequenceParallelBlock's"
+                expect_collectives(outcome["events"], "forward", "backward",
+                                   {"all_gather": [shard] * 2, "reduce_scatter": [full] * 2}, f"{what} forward",
+                                   "each all-reduce of tensor parallelism becomes an all-gather of the sequence (before "
+                                   "the column-parallel layer) and a reduce-scatter (after the row-parallel one)",
+                                   merge=False)
+            _judge_kept_inputs(case, n, per_rank, "SequenceParallelBlock")  # before the backward's count: it says why
+            for rank, outcome in enumerate(per_rank):
+                what = f"world {n}, rank {rank}: SequenceParallelBlock's"
                 events = outcome["events"]
-                expect_collectives(events, "forward", "backward", {"all_gather": [shard] * 2, "reduce_scatter": [full] * 2},
-                                    f"{what} forward", "each all-reduce of tensor parallelism becomes an all-gather of "
-                                    "the sequence (before the column-parallel layer) and a reduce-scatter (after the "
-                                    "row-parallel one)", merge=False)
                 backward = tp.summarize(tp.events_between(events, "backward", "sync"))
-                expect(backward.get("reduce_scatter") == [full] * 2 and backward.get("all_gather") in ([shard] * 2, [shard] * 4)
+                expect(backward.get("reduce_scatter") == [full] * 2 and backward.get("all_gather") == [shard] * 4
                        and set(backward) == {"reduce_scatter", "all_gather"},
-                       f"{what} backward issued {describe_collectives(backward)}; it should issue 2 reduce_scatter ({full:,} bytes "
-                       f"each: the all-gathers' backward) and 2 all_gather ({shard:,} bytes each: the reduce-scatters' "
-                       "backward), or 4 all-gathers if you repeat the forward all-gather in backward")
+                       f"{what} backward issued {describe_collectives(backward)}; it should issue 2 reduce_scatter "
+                       f"({full:,} bytes each: the all-gathers' backward) and 4 all_gather ({shard:,} bytes each: 2 for "
+                       "the reduce-scatters' backward, and 2 that gather the sequence again for the column-parallel "
+                       "layers' weight gradients, since a rank keeps only its piece)")
                 sync = tp.summarize(tp.events_between(events, "sync", "done"))
                 expect(set(sync) <= {"all_reduce"} and sum(sync.get("all_reduce", [])) == replicated_bytes,
                        f"{what} all_reduce_replicated_gradients issued {describe_collectives(sync)}; it should all-reduce the "
@@ -183,4 +231,5 @@ class SequenceParallel(Check):
             _judge_block(case, n, per_rank, True, "SequenceParallelBlock")
         raise_world_failure(failure)
         return ("equal to the dense block (output and input gradient by sequence piece, every parameter gradient after "
-                "the sync) on 2 and 4 ranks; all-gathers and reduce-scatters of equal volume replace the all-reduces")
+                "the sync) on 2 and 4 ranks; all-gathers and reduce-scatters of equal volume replace the all-reduces; "
+                "each rank keeps only its piece of the sequence for backward and gathers it again there")

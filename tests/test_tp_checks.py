@@ -307,6 +307,33 @@ class RowParallelLinear(nn.Module):
 '''
 
 
+SHARDS_BY_CHUNK = '''
+def shard_of(tensor, dim):
+    return tensor.detach().chunk(dist.get_world_size(), dim)[dist.get_rank()].clone()
+'''
+
+
+def test_parallel_linear_rejects_shards_cut_by_chunk(tmp_notebook):
+    result = verdict(tmp_notebook, {"shard_of": SHARDS_BY_CHUNK}, "tp.parallel_linear")
+    assert_rejected(result, "that is torch.chunk's piece")
+
+
+def test_parallel_linear_draws_a_width_where_chunk_and_tensor_split_differ_in_every_grading():
+    import numpy as np
+    import torch
+
+    from grader.registry import find_exercise
+    check = find_exercise("tp.parallel_linear").check
+    for seed in range(200):
+        separated = False
+        for n, data in check.prepare(np.random.default_rng(seed)):
+            width = data["w_column"].shape[0]
+            assert width % n and data["x_row"].shape[-1] == width
+            chunks = [len(c) for c in torch.arange(width).chunk(n)]
+            separated |= chunks != [len(c) for c in torch.arange(width).tensor_split(n)] and len(chunks) == n
+        assert separated, seed
+
+
 def test_parallel_linear_built_on_dtensor_is_told_so(tmp_notebook):
     result = verdict(tmp_notebook, {"ColumnParallelLinear": LINEAR_FROM_DTENSOR}, "tp.parallel_linear")
     assert_rejected(result, "uses the course's reference")

@@ -1,6 +1,8 @@
 """Exercise 3: column- and row-parallel linear layers on gloo."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
 from torch import nn
@@ -29,26 +31,58 @@ def _slice(array: np.ndarray, n: int, rank: int, dim: int = -1) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(np.moveaxis(array, dim, 0)[start:stop], 0, dim))
 
 
+def chunk_sizes(size: int, parts: int) -> list[int]:
+    """The pieces torch.chunk cuts: ceil(size/parts) each, the last shorter, and fewer than
+    `parts` pieces when the rest runs out (9 into 4: 3, 3, 3)."""
+    step = -(-size // parts)
+    return [min(step, size - start) for start in range(0, size, step)] if size else []
+
+
+def separates_chunk_from_tensor_split(size: int, parts: int) -> bool:
+    """torch.chunk gives `parts` pieces of other sizes than torch.tensor_split's."""
+    chunks = chunk_sizes(size, parts)
+    return len(chunks) == parts and chunks != [len(range(*tp.shard_bounds(size, parts, r))) for r in range(parts)]
+
+
+def _split_hint(got: int, size: int, n: int, rank: int) -> str:
+    """Why a rank's share of `size` features has `got` of them, when torch.chunk explains it."""
+    chunks = chunk_sizes(size, n)
+    start, stop = tp.shard_bounds(size, n, rank)
+    if got != stop - start and rank < len(chunks) and got == chunks[rank]:
+        return (f": that is torch.chunk's piece ({', '.join(map(str, chunks))} for {size} features on {n} ranks); "
+                f"torch.tensor_split, as shard_of cuts, makes the first {size} % {n} pieces one longer "
+                f"({', '.join(str(len(range(*tp.shard_bounds(size, n, r)))) for r in range(n))})")
+    return ""
+
+
 def _linears_on_rank(rank, world_size, column_class, row_class, data):
     column = column_class(_dense_linear(data["w_column"], data["b_column"]))
     row = row_class(_dense_linear(data["w_row"], data["b_row"]))
     x = leaf(data["x_column"])
     x_shard = leaf(_slice(data["x_row"], world_size, rank))
+    width = data["w_column"].shape[0]
     with CommunicationLog() as log:
         log.mark("column forward")
         y = column(x)
         log.mark("column backward")
+        if isinstance(y, torch.Tensor) and y.dim() and y.shape[-1] != len(range(*tp.shard_bounds(width, world_size, rank))):
+            hint = _split_hint(y.shape[-1], width, world_size, rank)  # a form error: it cannot pass anyway
+            if hint:
+                raise CheckFailed(f"rank {rank}: ColumnParallelLinear returned {y.shape[-1]} of the {width} output "
+                                  f"features{hint}")
         run_backward(y, torch.from_numpy(_slice(data["dy_column"], world_size, rank)),
-                  "ColumnParallelLinear (its output holds this rank's out_features, by tensor_split)")
+                     "ColumnParallelLinear (its output holds this rank's out_features, by tensor_split)")
         log.mark("row forward")
         try:
             z = row(x_shard)
         except RuntimeError as error:
             if "shapes cannot be multiplied" not in str(error):
                 raise
-            raise CheckFailed(f"RowParallelLinear failed on an input shard of shape {tuple(x_shard.shape)}: {error}. "
-                              "A row-parallel layer multiplies its in_features/t inputs by the matching columns of "
-                              "nn.Linear's weight (dim 1), the rows of W") from None
+            shapes = re.search(r"and (\d+)x\d+\)", str(error))  # mat2: the rank's weight, (in_features, out)
+            hint = _split_hint(int(shapes.group(1)), width, world_size, rank) if shapes else ""
+            raise CheckFailed(f"RowParallelLinear failed on an input shard of shape {tuple(x_shard.shape)}: {error}"
+                              + (hint or ". A row-parallel layer multiplies its in_features/t inputs by the matching "
+                                 "columns of nn.Linear's weight (dim 1), the rows of W")) from None
         log.mark("row backward")
         run_backward(z, torch.from_numpy(data["dy_row"]), "RowParallelLinear (its output is whole on every rank)")
         log.mark("done")
@@ -66,7 +100,9 @@ class ParallelLinear(Check):
     whole on every rank) and its gradient equals the dense gradient there.
     Fakes: a dense layer on every rank (the weights it holds are not split); the bias added on
     every rank, or divided by t (output or bias gradient off); all-gathers in place of the
-    all-reduce (the recorded collectives).
+    all-reduce (the recorded collectives); shards cut by torch.chunk, which agrees with
+    tensor_split for some widths t does not divide: every grading's 4-rank width is one where
+    they differ.
     """
 
     reads = ("ColumnParallelLinear", "RowParallelLinear")
@@ -78,8 +114,10 @@ class ParallelLinear(Check):
         worlds = []
         for n in (2, 4):
             batch, seq = int(rng.integers(1, 3)), int(rng.integers(2, 5))
-            d_in, width, d_out = int(rng.integers(3, 8)), n * int(rng.integers(2, 4)) + int(rng.integers(1, n)), \
-                int(rng.integers(3, 8))
+            # a width t does not divide; on 4 ranks one where torch.chunk cuts other pieces than tensor_split
+            # (10: 3, 3, 3, 1 against 3, 3, 2, 2), in every grading (on 2 ranks the two always agree)
+            widths = [w for w in range(n * 2 + 1, n * 4) if w % n and (n == 2 or separates_chunk_from_tensor_split(w, n))]
+            d_in, width, d_out = int(rng.integers(3, 8)), int(rng.choice(widths)), int(rng.integers(3, 8))
             normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
             worlds.append((n, {"w_column": normal(width, d_in) / np.float32(np.sqrt(d_in)), "b_column": normal(width),
                                "w_row": normal(d_out, width) / np.float32(np.sqrt(width)), "b_row": normal(d_out),

@@ -143,8 +143,12 @@ def reduce_from_tensor_parallel(x):
     (f_and_g(G_FORWARD="return x.clone()"), "g returned its input"),
     (f_and_g(F_FORWARD="dist.all_reduce(x.clone())\n        return x.view_as(x)"), "f's forward issued 1 all_reduce"),
     (f_and_g() + "\ndef copy_to_tensor_parallel(x):\n    return x.detach()\n", "does not require grad"),
+    (f_and_g(G_FORWARD="dist.all_reduce(x)\n        return x"),
+     "the input autograd handed to g's forward now holds the sum over ranks: it was all-reduced in place"),
+    (f_and_g(F_BACKWARD="dist.all_reduce(grad_output)\n        return grad_output"),
+     "the gradient autograd handed to f's backward now holds the sum over ranks: it was all-reduced in place"),
 ], ids=["swapped", "f-backward-identity", "f-backward-average", "g-from-torch.distributed.nn", "g-forward-identity",
-        "extra-all-reduce-in-f-forward", "f-detaches"])
+        "extra-all-reduce-in-f-forward", "f-detaches", "g-forward-in-place", "f-backward-in-place"])
 def test_f_and_g_rejects(tmp_notebook, source, feedback):
     assert_rejected(verdict(tmp_notebook, {"CopyToTensorParallel": source}, "tp.f_and_g"), feedback)
 

@@ -124,17 +124,39 @@ def _diagnose_numpy_mlp(y, case) -> str:
 def _f_and_g_on_rank(rank, world_size, f, g, arrays):
     mine = {k: v[rank] for k, v in arrays.items()}
     x_f, x_g = leaf(mine["x_f"]), leaf(mine["x_g"])
+    dy_f, dy_g = torch.from_numpy(mine["dy_f"].copy()), torch.from_numpy(mine["dy_g"].copy())
     with CommunicationLog() as log:
         log.mark("f forward")
         out_f = f(x_f)
         log.mark("f backward")
-        run_backward(out_f, torch.from_numpy(mine["dy_f"]), "f")
+        run_backward(out_f, dy_f, "f")
         log.mark("g forward")
         out_g = g(x_g)
         log.mark("g backward")
-        run_backward(out_g, torch.from_numpy(mine["dy_g"]), "g")
+        run_backward(out_g, dy_g, "g")
         log.mark("done")
-    return {"f": out_f, "f_grad": x_f.grad, "g": out_g, "g_grad": x_g.grad, "events": events_as_data(log)}
+    # the tensors handed to f and g and to their backward, as they are afterwards: an operator that
+    # all-reduces the caller's tensor in place changes them
+    handed = {"x_f": x_f.detach().clone(), "dy_f": dy_f.clone(), "x_g": x_g.detach().clone(), "dy_g": dy_g.clone()}
+    return {"f": out_f, "f_grad": x_f.grad, "g": out_g, "g_grad": x_g.grad, "events": events_as_data(log),
+            "handed": handed}
+
+
+HANDED = {"x_f": "the input autograd handed to f's forward", "dy_f": "the gradient autograd handed to f's backward",
+          "x_g": "the input autograd handed to g's forward", "dy_g": "the gradient autograd handed to g's backward"}
+
+
+def _judge_untouched(handed: dict, arrays: dict, sums: dict, rank: int, what: str) -> None:
+    """f and g leave the tensors they are handed as they were: those belong to the caller (the
+    layer before, or autograd, which may use the same gradient elsewhere)."""
+    for name, description in HANDED.items():
+        before = arrays[name][rank]
+        if matches(handed[name], before):
+            continue
+        how = "now holds the sum over ranks: it was all-reduced in place" if matches(handed[name], sums[name]) else \
+            "was changed"
+        raise CheckFailed(f"{what}: {description} {how}. dist.all_reduce sums into the tensor it is given, and that "
+                          "tensor is the caller's: all-reduce a copy (x.clone()) and return the copy")
 
 
 @exercise("tp.f_and_g", points=2)
@@ -143,8 +165,10 @@ class FAndG(Check):
     rank, f returns its input and its backward returns the sum of the ranks' gradients; g returns
     the sum of the ranks' inputs and its backward returns the rank's own gradient; f issues one
     all-reduce in backward only, g one in forward only (a reduce-scatter plus an all-gather counts
-    as one). Fakes: swapped operators, torch.distributed.nn's all_reduce (which all-reduces in
-    backward too), averaging: each is caught by its values or by the recorded collectives.
+    as one); neither changes the tensor it is handed (input or upstream gradient). Fakes: swapped
+    operators, torch.distributed.nn's all_reduce (which all-reduces in backward too), averaging:
+    each is caught by its values or by the recorded collectives; an all-reduce in place of the
+    caller's tensor: caught by comparing the handed tensors afterwards with what was handed.
     """
 
     reads = ("copy_to_tensor_parallel", "reduce_from_tensor_parallel")
@@ -170,6 +194,7 @@ class FAndG(Check):
             nbytes = arrays["x_f"][0].nbytes
             for rank, outcome in enumerate(per_rank):
                 what = f"world {n}, rank {rank}"
+                _judge_untouched(outcome["handed"], arrays, sums, rank, what)
                 if matches(outcome["f"], sums["x_f"]):
                     raise CheckFailed(f"{what}: f returned the sum over ranks; f is the identity in forward (its "
                                       "input is already whole on every rank); the forward all-reduce is g's")

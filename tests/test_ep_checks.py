@@ -117,7 +117,8 @@ def capacity_cell(capacity=RIGHT_CAPACITY, **slot_changes) -> str:
     ("round(capacity_factor * num_tokens * k / num_experts)", "rounds down"),
     ("capacity_factor * num_tokens * k / num_experts", "is not rounded"),
     ("math.ceil(capacity_factor * num_tokens / num_experts)", "k is missing"),
-], ids=["floor", "round", "unrounded", "no-k"])
+    ("k * math.ceil(capacity_factor * num_tokens / num_experts)", "up before multiplying by k"),
+], ids=["floor", "round", "unrounded", "no-k", "rounded-before-k"])
 def test_capacity_rejects(tmp_notebook, capacity, feedback):
     assert_fails(graded(tmp_notebook, "ep.capacity", {"expert_capacity": capacity_cell(capacity)}), feedback)
 
@@ -149,7 +150,7 @@ def assign_slots(expert_indices, num_experts, capacity):
     (capacity_cell(ORDER="((t, c) for t in range(tokens) for c in range(k))", UNPACK="first, second"),
      "token by token"),
     (capacity_cell(ORDER="((c, t) for c in range(k) for t in reversed(range(tokens)))"), "came last"),
-    (capacity_cell(COMPARE="<="), "you let it take one more"),
+    (capacity_cell(COMPARE="<="), "you let it keep C + 1"),
     (capacity_cell(COMPARE="< 10**9 or"), "you dropped nothing"),
     (SLOTS_GLOBAL_COUNTER, "got slot"),
     (capacity_cell().replace("return slots", "return slots.tolist()"), "should be a numpy array"),
@@ -520,14 +521,15 @@ BYTES_RIGHT = dict(CAPACITY="4 * (world_size - 1) / world_size * num_experts * c
     (dict(), None),
     (dict(CAPACITY="4 * num_experts * capacity * hidden * bytes_per_element"), "rows a rank keeps for its own experts"),
     (dict(CAPACITY="2 * (world_size - 1) / world_size * num_experts * capacity * hidden * bytes_per_element"),
-     "forward pass only"),
+     "it counts two all-to-alls"),
     (dict(CAPACITY="(world_size - 1) / world_size * num_experts * capacity * hidden * bytes_per_element"),
      "that is one all-to-all"),
     (dict(DROPLESS="2 * rows[rank].sum()"), "only the rows of this rank's own tokens"),
-    (dict(DROPLESS="(rows[rank].sum() + rows[:, rank].sum())"), "forward pass only"),
+    (dict(DROPLESS="(rows[rank].sum() + rows[:, rank].sum())"), "counts out + in rows once"),
+    (dict(DROPLESS="4 * rows[rank].sum()"), "assumes a rank receives as many rows as it sends"),
     (dict(KEEP_SELF="True or"), "never leave it"),
 ], ids=["template-is-right", "self-chunk", "capacity-forward-only", "one-all-to-all", "own-rows-only",
-        "dropless-forward-only", "self-rows"])
+        "dropless-forward-only", "dropless-as-if-capacity", "self-rows"])
 def test_all_to_all_bytes(tmp_notebook, changes, feedback):
     source = BYTES_TEMPLATE.format(**{**BYTES_RIGHT, **changes})
     result = graded(tmp_notebook, "ep.all_to_all_bytes", {"capacity_all_to_all_bytes": source})
@@ -535,6 +537,12 @@ def test_all_to_all_bytes(tmp_notebook, changes, feedback):
         assert result.status == "passed", result
     else:
         assert_fails(result, feedback)
+
+
+def test_dropless_bytes_of_first_choices_only_are_rejected(tmp_notebook):
+    source = BYTES_TEMPLATE.format(**BYTES_RIGHT).replace("np.asarray(indices)", "np.asarray(indices)[:, 0]")
+    result = graded(tmp_notebook, "ep.all_to_all_bytes", {"capacity_all_to_all_bytes": source})
+    assert_fails(result, "first choice only")
 
 
 INTERVIEW_RIGHT = dict(interview_capacity="160", interview_total_parameters_b="46.702792704",

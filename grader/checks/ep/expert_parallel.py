@@ -12,7 +12,7 @@ from dtp.traffic import CommunicationLog
 from ...compare import CheckFailed, expect
 from ...registry import Check, exercise
 from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
-from .layer import explain_layer_output
+from .layer import explain_layer_output, layer_slips, partly_dropped
 from .shared import TORCH_DIFFERENTIABLE_ALL_TO_ALL
 
 COUNT_EXCHANGE_BYTES_PER_EXPERT = 8  # an int64 count per expert: the only other traffic allowed
@@ -54,10 +54,31 @@ def _ep_case(rng, world_size: int, local: int, k: int, renormalize: bool, tokens
     case = {"x": x, "router": router, "w_in": rng.standard_normal((experts, d, f)) / np.sqrt(d),
             "w_out": rng.standard_normal((experts, f, d)), "upstream": [rng.standard_normal((t, d)) for t in tokens],
             "k": k, "renormalize": renormalize, "capacity": capacity, "local": local}
-    drops = capacity is not None and any((_routing(case, r)[2] < 0).any() for r in range(world_size))
-    if capacity is not None and not drops:
-        return _ep_case(rng, world_size, local, k, renormalize, tokens, capacity_factor)  # this test needs drops
+    if not _separates_near_misses(case, world_size):
+        return _ep_case(rng, world_size, local, k, renormalize, tokens, capacity_factor)
     return case
+
+
+def _separates_near_misses(case, world_size: int) -> bool:
+    """With a capacity: some rank's tokens are dropped in part (so renormalising after dropping,
+    or not dropping, shows) and every known slip of the layer gives some rank a wrong output.
+    Dropless: some pair of ranks sends each other different numbers of rows, so a backward
+    all-to-all that does not swap the split sizes fails."""
+    layers = [(case["x"][r], case["router"], case["w_in"], case["w_out"], case["k"], case["capacity"],
+               case["renormalize"]) for r in range(world_size)]
+    if case["capacity"] is None:
+        sent = np.array([np.bincount(moe.expert_owner(_routing(case, r)[0].reshape(-1), case["router"].shape[1],
+                                                      world_size), minlength=world_size) for r in range(world_size)])
+        return not np.array_equal(sent, sent.T)
+    if not any(partly_dropped(layer) for layer in layers):
+        return False
+    slips = [layer_slips(*layer) for layer in layers]
+    expected = [moe.moe_layer(*layer) for layer in layers]
+    def variants(rank, name) -> list:  # a slip may give one of several values (by probability or by weight)
+        return slips[rank][name] if isinstance(slips[rank][name], list) else [slips[rank][name]]
+
+    return all(any(not np.allclose(variants(r, name)[v], expected[r], rtol=1e-7, atol=1e-9) for r in range(world_size))
+               for name in slips[0] for v in range(len(variants(0, name))))  # each gives some rank a wrong output
 
 
 def _routing(case, rank: int):
@@ -258,7 +279,8 @@ class ExpertParallelCapacity(ExpertParallelCheck):
     copy and its experts equal the single-process layer's (capacity per rank); the forward runs two
     all-to-alls of token rows and the backward two; each rank's dispatch to each rank is its E/n·C
     slots holding the right token rows, each combine holds the expert outputs its tokens need; the
-    bytes sent to other ranks equal 4(n-1)/n·E·C·h·w.
+    bytes sent to other ranks equal 4(n-1)/n·E·C·h·w. Each case is drawn so that some token loses
+    part of its choices and every known slip of the layer gives some rank a wrong output.
     Fakes: torch's differentiable all-to-alls trip; all_gather, broadcast or point-to-point
     traffic beyond the count exchange is refused; results computed another way (the store, a file)
     fail on the rows each all-to-all carried.
@@ -285,7 +307,9 @@ class ExpertParallelDropless(ExpertParallelCheck):
     splits are empty): outputs and all gradients equal the single-process layer's; two
     all-to-alls of token rows forward and two backward (plus at most a small integer count
     exchange); each dispatch piece is exactly the rows routed to that rank, each combine piece the
-    expert outputs they need; bytes equal 2(out + in)·h·w, so no padding.
+    expert outputs they need; bytes equal 2(out + in)·h·w, so no padding. In each case some pair
+    of ranks sends each other different numbers of rows, so a backward that does not swap the
+    split sizes fails.
     Fakes: as for the fixed-capacity layer; padding to equal splits fails on the bytes.
     """
 

@@ -3,6 +3,9 @@ MoE layer. The layer's diagnosis of a wrong output (`explain_layer_output`) also
 rank's output of the expert-parallel layer."""
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import numpy as np
 
 from dtp import moe
@@ -10,7 +13,7 @@ from dtp import moe
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
 from ..common import FormulaCheck
-from .shared import LAYER_REFERENCES, first_slip, integer_array, skewed_choices
+from .shared import LAYER_REFERENCES, known_mistake, integer_array, skewed_choices
 
 CAPACITY_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # exact in binary: no rounding to argue about
 
@@ -18,8 +21,10 @@ CAPACITY_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # exact in binary: no round
 @exercise("ep.capacity", points=1)
 class Capacity(FormulaCheck):
     """Verifies: ceil(capacity_factor · T · k / E) on random sizes, where the quotient is a whole
-    number (the ceiling changes nothing) and where it is not.
-    Fakes: dtp.moe.expert_capacity trips."""
+    number (the ceiling changes nothing) and where it is not; every grading has a fractional part
+    below one half (round() rounds down there), a top-k with k > 1 whose capacity changes without
+    k, and one where rounding T·cf/E up before multiplying by k gives more.
+    Fakes: dtp.moe.expert_capacity trips; fresh sizes each run."""
 
     function = "expert_capacity"
     references = ("dtp.moe.expert_capacity",)
@@ -27,14 +32,11 @@ class Capacity(FormulaCheck):
     summary = "ceil(capacity_factor · T · k / E) on random sizes, whole quotients and fractional ones"
 
     def cases(self, rng):
-        cases = []
-        for _ in range(6):  # fractional quotients
-            while True:
-                args = (int(rng.integers(1, 5000)), int(rng.choice([3, 6, 8, 12, 16, 64, 128])),
-                        int(rng.integers(1, 5)), float(rng.choice(CAPACITY_FACTORS)))
-                if (args[3] * args[0] * args[2]) % args[1]:
-                    cases.append((args, {}))
-                    break
+        while True:  # six fractional quotients that, together, tell every slip from the ceiling
+            fractional = [_fractional_capacity_case(rng) for _ in range(6)]
+            if all(any(separates(*args) for args in fractional) for separates in CAPACITY_SEPARATIONS):
+                break
+        cases = [(args, {}) for args in fractional]
         for _ in range(2):  # whole quotients; powers of two keep every order of the arithmetic exact
             experts, k = int(rng.choice([4, 8, 64])), int(rng.integers(1, 3))
             cases.append(((experts * int(rng.integers(1, 100)), experts, k, 1.0), {}))
@@ -48,7 +50,32 @@ class Capacity(FormulaCheck):
         return {"that rounds down (as int() does, and round() below one half): a fractional slot must round up "
                 "(the ceiling), or even perfectly balanced routing drops tokens": int(exact),
                 "that is not rounded: a capacity counts slots, ceil(capacity_factor · T · k / E)": exact,
-                "k is missing: each token makes k assignments, T·k in all": float(np.ceil(factor * tokens / experts))}
+                "k is missing: each token makes k assignments, T·k in all": float(np.ceil(factor * tokens / experts)),
+                "you rounded capacity_factor · T / E up before multiplying by k; round once, at the end: "
+                "ceil(capacity_factor · T · k / E)": k * float(np.ceil(factor * tokens / experts))}
+
+
+def _fractional_capacity_case(rng) -> tuple:
+    while True:
+        args = (int(rng.integers(1, 5000)), int(rng.choice([3, 6, 8, 12, 16, 64, 128])), int(rng.integers(1, 5)),
+                float(rng.choice(CAPACITY_FACTORS)))
+        if _exact_capacity(*args).denominator > 1:
+            return args
+
+
+def _exact_capacity(tokens, experts, k, factor) -> Fraction:
+    return Fraction(factor) * tokens * k / experts
+
+
+# Conditions on one case under which a slip of expert_capacity gives another number than the right
+# one; every grading has a case meeting each (a fractional quotient already refutes floor and no rounding).
+CAPACITY_SEPARATIONS = (
+    lambda *args: _exact_capacity(*args) % 1 < Fraction(1, 2),  # round() rounds down
+    lambda tokens, experts, k, factor: math.ceil(_exact_capacity(tokens, experts, 1, factor))
+    != math.ceil(_exact_capacity(tokens, experts, k, factor)),  # k left out
+    lambda tokens, experts, k, factor: k * math.ceil(_exact_capacity(tokens, experts, 1, factor))
+    != math.ceil(_exact_capacity(tokens, experts, k, factor)),  # rounded before multiplying by k
+)
 
 
 def _slots_in_priority(indices: np.ndarray, num_experts: int, capacity, order) -> np.ndarray:
@@ -80,16 +107,24 @@ def _slot_slips(indices: np.ndarray, num_experts: int, capacity) -> dict[str, np
             _slots_in_priority(indices, num_experts, capacity, [(t, j) for j in range(k) for t in reversed(range(tokens))])
         slips["you dropped nothing: an assignment whose expert already holds `capacity` tokens is dropped (-1)"] = \
             _slots_in_priority(indices, num_experts, None, choice_major)
-        slips[f"an expert holds slots 0 to C-1 = {capacity - 1}: you let it take one more"] = \
+        slips[f"an expert keeps at most C = {capacity} assignments, in slots 0 to C-1; you let it keep C + 1"] = \
             _slots_in_priority(indices, num_experts, capacity + 1, choice_major)
     return slips
+
+
+def _every_slip_shows(indices: np.ndarray, num_experts: int, capacity) -> bool:
+    """No known mistake gives the right slots for these choices (token by token priority, say, can
+    fill the experts in the same order by chance)."""
+    expected = moe.assign_slots(indices, num_experts, capacity)
+    return not any(np.array_equal(slips, expected) for slips in _slot_slips(indices, num_experts, capacity).values())
 
 
 @exercise("ep.slots", points=2)
 class Slots(Check):
     """Verifies: every assignment's slot or -1 for top-1, top-2 and top-3 routing on skewed random
     choices, with a capacity two or more below the largest load, a capacity exactly equal to one
-    expert's load, and dropless (capacity None).
+    expert's load, and dropless (capacity None); the tight capacity is drawn so that every known
+    slip (token-by-token priority, last first, no drops, one slot too many) gives other slots.
     Fakes: dtp.moe.assign_slots trips; fresh choices each run.
     """
 
@@ -102,11 +137,11 @@ class Slots(Check):
         for k in (1, 2, 3):
             experts = int(rng.integers(k + 1, 9))
             tokens = int(rng.integers(8, 40))
-            while True:  # the first capacity leaves some expert two or more over: every slip shows
+            while True:  # the first capacity leaves some expert two or more over, and every slip shows in it
                 indices = skewed_choices(rng, tokens, experts, k)
                 loads = np.bincount(indices.reshape(-1), minlength=experts)
                 tight = moe.expert_capacity(tokens, experts, k, float(rng.choice([0.5, 0.75])))
-                if loads.max() >= tight + 2:
+                if loads.max() >= tight + 2 and _every_slip_shows(indices, experts, tight):
                     break
             for capacity in (tight, int(rng.choice(loads[loads > 0])), None):
                 cases.append((indices, experts, capacity))
@@ -124,7 +159,7 @@ class Slots(Check):
             expected = moe.assign_slots(indices, experts, capacity)
             if np.array_equal(slots, expected):
                 continue
-            slip = first_slip(slots, _slot_slips(indices, experts, capacity))
+            slip = known_mistake(slots, _slot_slips(indices, experts, capacity))
             if slip:
                 raise CheckFailed(f"{what}: {slip}")
             token, choice = np.argwhere(slots != expected)[0]
@@ -143,7 +178,7 @@ def _layer_from(x, w_in, w_out, indices, weights, slots) -> np.ndarray:
     return output
 
 
-def _layer_slips(x, router_weight, w_in, w_out, k, capacity, renormalize) -> dict[str, np.ndarray]:
+def layer_slips(x, router_weight, w_in, w_out, k, capacity, renormalize) -> dict[str, np.ndarray]:
     experts = router_weight.shape[1]
     indices, weights = moe.top_k_routing(x @ router_weight, k, renormalize)
     slots = moe.assign_slots(indices, experts, capacity)
@@ -172,7 +207,8 @@ def _layer_slips(x, router_weight, w_in, w_out, k, capacity, renormalize) -> dic
     if k == 1 and capacity is not None:  # renormalising one kept weight gives 1: the two mistakes coincide
         slips["every gate weight is 1: either the expert outputs are not multiplied by their gate weights, or you "
               "renormalised the gate weights after dropping (a lone kept weight becomes 1)"] = unweighted
-    slips["the expert outputs are not multiplied by their gate weights"] = unweighted
+    else:
+        slips["the expert outputs are not multiplied by their gate weights"] = unweighted
     return slips
 
 
@@ -190,7 +226,7 @@ def explain_layer_output(output: np.ndarray, layer: tuple, what: str) -> None:
             or np.allclose(output, expected, rtol=1e-7, atol=1e-9):
         expect_close(output, expected, what, rtol=1e-7, atol=1e-9, check_dtype=False)
         return
-    slip = first_slip(output, _layer_slips(*layer), rtol=1e-7, atol=1e-9)
+    slip = known_mistake(output, layer_slips(*layer), rtol=1e-7, atol=1e-9)
     if slip:
         raise CheckFailed(f"{what}: {slip}")
     if np.allclose(_sorted_rows(output), _sorted_rows(expected), rtol=1e-7, atol=1e-9):
@@ -214,11 +250,37 @@ def _random_layer(rng, tokens: int, experts: int, k: int, skew: float = 1.0):
     return x, router, rng.standard_normal((experts, d, f)) / np.sqrt(d), rng.standard_normal((experts, f, d))
 
 
+def partly_dropped(layer: tuple) -> bool:
+    """For `layer` = (x, router, w_in, w_out, k, capacity, renormalize): some token keeps part of
+    its k choices (top-1: some token is dropped and some kept), so that dropping shows."""
+    x, router, _, _, k, capacity, renormalize = layer
+    indices, _ = moe.top_k_routing(x @ router, k, renormalize)
+    kept = (moe.assign_slots(indices, router.shape[1], capacity) >= 0).sum(axis=1)
+    return bool(((kept > 0) & (kept < k)).any()) if k > 1 else bool(kept.min() == 0 and kept.max() == 1)
+
+
+def every_layer_slip_shows(layer: tuple) -> bool:
+    """With a capacity the layer drops part of some token's choices, and no known mistake gives the
+    right output (priority by probability or token by token can keep the same assignments by
+    chance). Dropless top-1 with renormalised gates is exempt: its gates are 1, so the unweighted
+    layer is right there, and the other cases catch it."""
+    _, _, _, _, k, capacity, renormalize = layer
+    if capacity is None and k == 1 and renormalize:
+        return True
+    if capacity is not None and not partly_dropped(layer):
+        return False
+    expected = moe.moe_layer(*layer)
+    return not any(np.allclose(value, expected, rtol=1e-7, atol=1e-9) for values in layer_slips(*layer).values()
+                   for value in (values if isinstance(values, list) else [values]))
+
+
 @exercise("ep.moe_layer", points=2)
 class MoELayer(Check):
     """Verifies: the layer's output for top-1, top-2 and top-3 routing, renormalised and not, with
     capacities that drop assignments (a top-2 token losing one expert and keeping the other
-    included) and dropless, against dtp.moe's one-hot layer.
+    included) and dropless, against dtp.moe's one-hot layer; each case is drawn so that every
+    known slip (renormalising after dropping, dropping by probability, token-by-token priority,
+    no dropping, no gate weights) gives another output.
     Fakes: dtp.moe's layer, router and slots trip; fresh random weights each run.
     """
 
@@ -234,10 +296,8 @@ class MoELayer(Check):
             while True:
                 layer = _random_layer(rng, tokens, experts, k)
                 capacity = None if factor is None else moe.expert_capacity(tokens, experts, k, factor)
-                indices, _ = moe.top_k_routing(layer[0] @ layer[1], k, renormalize)
-                kept = moe.assign_slots(indices, experts, capacity) >= 0
-                if capacity is None or (0 < kept.sum(axis=1)).any() and (kept.sum(axis=1) < k).any():
-                    break  # with capacity, some token keeps part of its choices: dropping is visible
+                if every_layer_slip_shows((*layer, k, capacity, renormalize)):
+                    break
             cases.append((*layer, k, capacity, renormalize))
         return cases
 

@@ -7,7 +7,7 @@ from dtp import moe
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
-from .shared import ROUTING_REFERENCES, first_slip, integer_array, pair
+from .shared import ROUTING_REFERENCES, integer_array, known_mistake, name_mistakes, pair
 
 @exercise("ep.router", points=2)
 class Router(Check):
@@ -56,19 +56,21 @@ def _judge_choices(logits: np.ndarray, k: int, indices: np.ndarray, what: str) -
     expected, _ = moe.top_k_routing(logits, k, renormalize=False)
     if np.array_equal(indices, expected):
         return
+    diagnoses = []
     if np.array_equal(np.sort(indices, axis=1), np.sort(expected, axis=1)):
-        raise CheckFailed(f"{what}: the right experts, in the wrong order: list each token's choices from the most "
-                          "probable to the least (the first choice has priority when capacity runs out)")
-    probabilities = moe.softmax(logits)
-    if np.array_equal(indices, np.argsort(probabilities, axis=1, kind="stable")[:, :k]):
-        raise CheckFailed(f"{what}: you chose each token's k least probable experts: sort by falling probability")
-    column_softmax = moe.softmax(logits.T).T
-    if np.array_equal(indices, np.argsort(-column_softmax, axis=1, kind="stable")[:, :k]):
-        raise CheckFailed(f"{what}: your softmax normalises over the tokens (axis 0); a token's probabilities are "
-                          "over the experts (axis 1)")
+        diagnoses.append("the right experts, in the wrong order: list each token's choices from the most probable to "
+                         "the least (the first choice has priority when capacity runs out)")
+    slip = known_mistake(indices, {
+        "you chose each token's k least probable experts: sort by falling probability":
+            np.argsort(moe.softmax(logits), axis=1, kind="stable")[:, :k],
+        "your softmax normalises over the tokens (axis 0); a token's probabilities are over the experts (axis 1)":
+            np.argsort(-moe.softmax(logits.T).T, axis=1, kind="stable")[:, :k]}, rtol=0, atol=0)
+    if diagnoses or slip:
+        raise CheckFailed(f"{what}: {name_mistakes(diagnoses + ([slip] if slip else []))}")
     token = int(np.argmax(np.any(indices != expected, axis=1)))
-    raise CheckFailed(f"{what}: token {token} went to experts {indices[token].tolist()}; its {k} most probable "
-                      f"experts are {expected[token].tolist()}")
+    best = (f"its most probable expert is {expected[token, 0]}" if k == 1 else
+            f"its {k} most probable experts are {expected[token].tolist()}")
+    raise CheckFailed(f"{what}: token {token} went to experts {indices[token].tolist()}; {best}")
 
 
 def _judge_gates(logits: np.ndarray, k: int, renormalize: bool, weights: np.ndarray, what: str) -> None:
@@ -86,7 +88,7 @@ def _judge_gates(logits: np.ndarray, k: int, renormalize: bool, weights: np.ndar
         "those are the logits; the gate weights are softmax probabilities": np.take_along_axis(logits, indices, axis=1),
         "your softmax normalises over the tokens (axis 0), not over the experts": column,
     }
-    slip = first_slip(weights, slips)
+    slip = known_mistake(weights, slips)
     if slip:
         raise CheckFailed(f"{what}: {slip}")
     expect_close(weights, expected, f"{what}: gate_weights", rtol=1e-9, atol=1e-12, check_dtype=False)

@@ -28,14 +28,21 @@ def integer_array(value, shape: tuple, name: str, what: str) -> np.ndarray:
     return value
 
 
-def first_slip(actual: np.ndarray, slips: dict, rtol: float = 1e-9, atol: float = 1e-12) -> str | None:
-    """The feedback of the first known mistake (feedback -> the value, or values, it gives) that
-    `actual` equals."""
-    for feedback, values in slips.items():
-        for value in values if isinstance(values, list) else [values]:
-            if value.shape == actual.shape and np.allclose(actual, value, rtol=rtol, atol=atol):
-                return feedback
-    return None
+def known_mistake(actual: np.ndarray, slips: dict, rtol: float = 1e-9, atol: float = 1e-12) -> str | None:
+    """The diagnosis for an `actual` that equals a known mistake (feedback -> the value, or values,
+    it gives), or None. When several mistakes give the same value for these inputs, any of them
+    may be the learner's, so all are named."""
+    matching = [feedback for feedback, values in slips.items()
+                if any(value.shape == actual.shape and np.allclose(actual, value, rtol=rtol, atol=atol)
+                       for value in (values if isinstance(values, list) else [values]))]
+    return name_mistakes(matching) if matching else None
+
+
+def name_mistakes(diagnoses: list[str]) -> str:
+    """One diagnosis as it is; several that fit the same answer, all of them (any may be the one)."""
+    if len(diagnoses) == 1:
+        return diagnoses[0]
+    return "for these inputs more than one mistake gives exactly this answer: " + "; or ".join(diagnoses)
 
 
 def skewed_choices(rng, tokens: int, experts: int, k: int) -> np.ndarray:

@@ -64,14 +64,13 @@ def rank_coordinates(rank: int, sizes: dict[str, int], order) -> dict[str, int]:
     """Coordinates of `rank`: one per dimension in `sizes`, plus "expert_dp" with EP."""
     if not 0 <= rank < world_size(sizes):
         raise ValueError(f"rank {rank} is outside a world of {world_size(sizes)}")
-    coordinates, rest = {}, rank
-    for name, size in factors(sizes, order):
+    coordinates, rest, laid_out = {}, rank, factors(sizes, order)
+    for name, size in laid_out:
         coordinates[name] = rest % size
         rest //= size
     if "ep" in sizes:  # the position in the DP group: its two factors, in their order
-        first, second = [name for name, _ in factors(sizes, order) if name in ("ep", "expert_dp")]
-        sizes_by_name = dict(factors(sizes, order))
-        coordinates["dp"] = coordinates[first] + sizes_by_name[first] * coordinates[second]
+        first, second = [name for name, _ in laid_out if name in ("ep", "expert_dp")]
+        coordinates["dp"] = coordinates[first] + dict(laid_out)[first] * coordinates[second]
     return coordinates
 
 

@@ -1,5 +1,7 @@
 """Every check of the topology chapter rejects plausible wrong answers with feedback that names the
 mistake, and accepts correct answers written differently from the course's."""
+import functools
+
 import nbformat
 import pytest
 
@@ -363,3 +365,105 @@ def test_interview_accepts_answers_typed_as_numbers(tmp_notebook):
 
     typed = "\n".join(f"{name} = {interview_oracle()[name]!r}" for name in INTERVIEW_ANSWERS)
     assert graded(tmp_notebook, "topology.interview", {ANSWERS: typed}).status == "passed"
+
+
+# --- exercise 1, every grading: the draws separate the right layout from its near-misses ---
+
+@functools.lru_cache(maxsize=None)
+def _right_layout(size_items: tuple, order: tuple):
+    """dtp.topology's (coordinates of every rank, groups, mesh arguments) of a layout, cached: the
+    near-misses below reuse them for hundreds of draws."""
+    from dtp import topology
+    sizes = dict(size_items)
+    return ([topology.rank_coordinates(r, sizes, order) for r in range(topology.world_size(sizes))],
+            topology.parallel_groups(sizes, order), topology.device_mesh_arguments(sizes, order))
+
+
+def _near_miss_answer(kind, sizes, order):
+    """(coordinates of every rank, groups, mesh arguments) as the near-miss `kind` computes them."""
+    from dtp import topology
+    from grader.checks.topology.layout import _ep_multiplied_coordinates
+
+    n = topology.world_size(sizes)
+    right = _right_layout(tuple(sizes.items()), tuple(order))
+    known = ("tp", "pp", "dp", "ep")
+    misread = {"course-order": [k for k in ("tp", "ep", "cp", "pp", "dp") if k in sizes],
+               "sizes-order": list(sizes), "alphabetical": sorted(sizes), "reversed-order": list(order)[::-1],
+               "unknown-outermost": [k for k in order if k in known] + [k for k in order if k not in known]}
+    if kind in misread:
+        return _right_layout(tuple(sizes.items()), tuple(misread[kind]))
+    if kind == "ignores-unknown":  # unknown dimensions left out: coordinate 0, no groups, not in the mesh
+        unknown = [k for k in sizes if k not in known]
+        coordinates, groups, mesh = _right_layout(tuple((k, 1 if k in unknown else v) for k, v in sizes.items()),
+                                                  tuple(order))
+        return ([{**coordinates[r % len(coordinates)], **{k: 0 for k in unknown}} for r in range(n)],
+                {k: g for k, g in groups.items() if k not in unknown},
+                tuple(tuple(x for x, name in zip(part, mesh[1]) if name not in unknown) for part in mesh))
+    if kind == "skips-size-one":
+        return right[0], {k: g for k, g in right[1].items() if sizes.get(k, 2) > 1}, right[2]
+    if "ep" not in sizes:
+        return right
+    if kind == "ep-multiplied":
+        return [_ep_multiplied_coordinates(r, sizes, order) for r in range(n)], right[1], right[2]
+    if kind in ("dp-is-ep-inner", "dp-is-expert-dp-inner"):
+        e, rest = sizes["ep"], sizes["dp"] // sizes["ep"]
+        coordinates = []
+        for c in right[0]:
+            dp = c["ep"] + e * c["expert_dp"] if kind == "dp-is-ep-inner" else c["expert_dp"] + rest * c["ep"]
+            coordinates.append({**c, "dp": dp})
+        return coordinates, right[1], right[2]
+    if kind == "dp-group-is-expert-dp":
+        return right[0], {**right[1], "dp": right[1]["expert_dp"]}, right[2]
+    return right
+
+
+NEAR_MISSES = ("course-order", "sizes-order", "alphabetical", "reversed-order", "unknown-outermost", "ignores-unknown",
+               "skips-size-one", "ep-multiplied", "dp-is-ep-inner", "dp-is-expert-dp-inner", "dp-group-is-expert-dp")
+
+
+def test_every_grading_of_rank_layout_refuses_each_near_miss_and_accepts_the_right_layout():
+    import numpy as np
+    from dtp import topology
+    from grader.checks.topology.layout import RankLayout
+    from grader.compare import CheckFailed
+
+    check = RankLayout()
+    for seed in range(60):  # the draws are built to separate them: a few dozen gradings show it
+        inputs = check.prepare(np.random.default_rng(seed))
+        layouts = inputs["layouts"] + [inputs["world"]]
+        sizes, order = inputs["world"]
+        shape, names = topology.device_mesh_arguments(sizes, order)
+        world_groups = topology.parallel_groups(sizes, order)
+        mesh_groups = [[{name: next(g for g in world_groups[name] if rank in g) for name in (*names, "dp")}
+                        for rank in range(topology.world_size(sizes))]]
+        right = [dict(zip(("coordinates", "groups", "mesh"), _near_miss_answer("right", s, o))) for s, o in layouts]
+        check.judge(inputs, {"answers": right, "mesh_groups": mesh_groups})
+        for kind in NEAR_MISSES:
+            answers = [dict(zip(("coordinates", "groups", "mesh"), _near_miss_answer(kind, s, o))) for s, o in layouts]
+            with pytest.raises(CheckFailed):
+                check.judge(inputs, {"answers": answers, "mesh_groups": mesh_groups})
+                print(f"seed {seed}: the near-miss {kind} passed on {layouts}")
+
+
+LAYOUT_IGNORING_UNKNOWN_DIMENSIONS = variant(LAYOUT, '''    for name in order:
+        if name == "dp" and "ep" in sizes:''', '''    for name in order:
+        if name not in ("tp", "pp", "dp", "ep"):
+            continue  # a dimension this code does not know: left out
+        if name == "dp" and "ep" in sizes:''')
+
+
+def test_rank_layout_refuses_a_layout_that_ignores_a_dimension_it_does_not_know(tmp_notebook):
+    assert_fails(graded(tmp_notebook, "topology.rank_layout", {LAYOUT: LAYOUT_IGNORING_UNKNOWN_DIMENSIONS}),
+                 ("'cp' too", "with 'cp' left out", "'cp' is missing"))
+
+
+LAYOUT_ZEROING_UNKNOWN_DIMENSIONS = LAYOUT_IGNORING_UNKNOWN_DIMENSIONS.replace(
+    '''    return coordinates
+    ### END SOLUTION''', '''    coordinates.update({name: 0 for name in sizes if name not in coordinates})
+    return coordinates
+    ### END SOLUTION''', 1)
+
+
+def test_rank_layout_names_the_dimension_left_out(tmp_notebook):
+    assert_fails(graded(tmp_notebook, "topology.rank_layout", {LAYOUT: LAYOUT_ZEROING_UNKNOWN_DIMENSIONS}),
+                 "with 'cp' left out")

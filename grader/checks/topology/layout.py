@@ -61,6 +61,46 @@ def _random_layout(rng, with_ep: bool) -> tuple[dict, list]:
             return sizes, order
 
 
+def _orders_to_avoid(sizes: dict) -> set[tuple]:
+    """Orders an answer that ignores `order` would use instead: the course's (TP innermost, then
+    EP or CP, PP, DP outermost), the one `sizes` lists, alphabetical, and each of them reversed."""
+    course = [name for name in ("tp", "ep", "cp", "pp", "dp") if name in sizes]
+    fixed = [tuple(course), tuple(sizes), tuple(sorted(sizes))]
+    return set(fixed) | {order[::-1] for order in fixed}
+
+
+def _layout_with(rng, sizes: dict, accept) -> tuple[dict, list]:
+    """`sizes` listed in a random order, and a random order of the dimensions that `accept`s and
+    that no answer ignoring `order` would use."""
+    names = list(sizes)
+    rng.shuffle(names)
+    sizes = {name: sizes[name] for name in names}
+    while True:
+        order = [str(name) for name in rng.permutation(names)]
+        if tuple(order) not in _orders_to_avoid(sizes) and accept(order):
+            return sizes, order
+
+
+def _separating_layouts(rng) -> list[tuple[dict, list]]:
+    """Layouts that separate the right answer from its known near-misses in every grading."""
+    def small(low=2, high=4):
+        return int(rng.integers(low, high))
+
+    while True:  # all four dimensions larger than 1; CP anywhere but outermost
+        four = {"tp": small(), "pp": small(), "dp": small(), "cp": small()}
+        if topology.world_size(four) <= 64:
+            break
+    one = str(rng.choice(["tp", "pp", "dp"]))  # a dimension of size 1, and CP innermost
+    with_a_one = {"tp": small(2, 5), "pp": small(2, 5), "dp": small(2, 4), "cp": small(), one: 1}
+    ep = small()
+    ep_sizes = {"tp": small(1, 3), "pp": small(1, 3), "dp": ep * small(), "ep": ep}
+    return [_layout_with(rng, four, lambda order: order[-1] != "cp"),
+            _layout_with(rng, with_a_one, lambda order: order[0] == "cp"),
+            _layout_with(rng, {"tp": small(), "pp": small(), "dp": small()}, lambda order: True),
+            _layout_with(rng, ep_sizes, lambda order: order.index("ep") < order.index("dp")),  # EP inside
+            _layout_with(rng, dict(ep_sizes), lambda order: order.index("ep") > order.index("dp"))]  # and outside
+
+
 def _mesh_on_rank(rank, world_size, shape, names, flatten):
     """init_device_mesh with the learner's arguments; this rank's group along each named
     dimension (and along the flattened dimensions `flatten`, as "dp"), read from torch."""
@@ -79,11 +119,15 @@ REVERSED_ORDER_HINT = (" Your answer is the one for the order reversed: `order` 
 
 @exercise("topology.rank_layout", points=3)
 class RankLayout(Check):
-    """Verifies: for random layouts of 2 to 64 ranks in random orders (with EP carved out of DP,
-    and sometimes a fourth dimension "cp"), every rank's coordinates, every group of every
+    """Verifies: for random layouts of 2 to 64 ranks in random orders, every rank's coordinates, every group of every
     dimension ("expert_dp" and the whole "dp" with EP), and init_device_mesh's arguments; the
     arguments are then given to init_device_mesh on an 8- to 12-rank gloo world with EP, whose
-    process groups (read back from torch) must be the layout's.
+    process groups (read back from torch) must be the layout's. Every grading draws the layouts
+    that tell the known near-misses apart (`_separating_layouts`): a "cp" dimension larger than 1,
+    inside other dimensions (an answer that ignores a dimension it does not know, or puts it
+    outermost), orders that are neither the course's nor the one `sizes` lists (an answer that
+    ignores `order`), a dimension of size 1, and EP laid out both inside and outside DP's other
+    factor (the two readings of the "dp" coordinate).
     Fakes: dtp.topology trips; a table cannot match random layouts; patching DeviceMesh in the
     sandbox gains nothing, since the arguments are compared with the oracle's directly.
     """
@@ -94,8 +138,7 @@ class RankLayout(Check):
     runs_world = True
 
     def prepare(self, rng):
-        layouts = [_random_layout(rng, with_ep=False) for _ in range(4)] + \
-                  [_random_layout(rng, with_ep=True) for _ in range(3)]
+        layouts = _separating_layouts(rng) + [_random_layout(rng, with_ep=False), _random_layout(rng, with_ep=True)]
         while True:  # the world: EP, and world size 8 or 12
             sizes, order = _random_layout(rng, with_ep=True)
             if topology.world_size(sizes) in (8, 12):
@@ -146,6 +189,31 @@ def _mesh_answer(answer, what: str) -> tuple[list[int], list[str]]:
     return shape, names
 
 
+def _without(sizes: dict, name: str) -> dict | None:
+    """The layout with dimension `name` treated as size 1 (as an answer that ignores it lays the
+    ranks out), or None where that is no layout (DP under EP)."""
+    reduced = {**sizes, name: 1}
+    try:
+        topology.factors(reduced, list(sizes))
+    except ValueError:
+        return None
+    return reduced
+
+
+def _ignored_dimension(sizes: dict, matches) -> str | None:
+    """The dimension (larger than 1) whose omission gives the answer: `matches(reduced_sizes)`."""
+    for name, size in sizes.items():
+        reduced = _without(sizes, name) if name != "ep" and size > 1 else None
+        if reduced is not None and matches(reduced):
+            return name
+    return None
+
+
+def _ignored_hint(name: str) -> str:
+    return (f" That is the layout with {name!r} left out: every dimension of `sizes` ({name!r} too, whatever its "
+            "name) multiplies into the world and is laid out where `order` puts it")
+
+
 def _judge_coordinates(sizes, order, coordinates) -> None:
     n = topology.world_size(sizes)
     what = _describe_layout(sizes, order)
@@ -163,14 +231,20 @@ def _judge_coordinates(sizes, order, coordinates) -> None:
         keys = set(answer)
         if keys != set(expected):
             missing, extra = sorted(set(expected) - keys), sorted(keys - set(expected))
+            unknown = [name for name in missing if name not in ("tp", "pp", "dp", "ep", "expert_dp")]
             raise CheckFailed(f"rank_coordinates({rank}, {what}) has keys {sorted(keys)}: "
                               + (f"missing {missing}" if missing else "") + (f" unexpected {extra}" if extra else "")
                               + ("; with EP, give \"dp\" (the position in the whole DP group), \"ep\" and "
-                                 "\"expert_dp\"" if "ep" in sizes else ""))
+                                 "\"expert_dp\"" if "ep" in sizes else "")
+                              + (f"; every dimension of `sizes` has a coordinate, {unknown[0]!r} too" if unknown else ""))
         if {k: answer[k] for k in expected} != expected:
             wrong = [k for k in expected if answer[k] != expected[k]]
             hint = REVERSED_ORDER_HINT if "ep" not in sizes and \
                 answer == topology.rank_coordinates(rank, sizes, list(reversed(order))) else ""
+            ignored = _ignored_dimension(sizes, lambda reduced: all(  # every rank the smaller layout has
+                coordinates[r] == topology.rank_coordinates(r, reduced, order) for r in range(topology.world_size(reduced))))
+            if ignored:
+                hint = _ignored_hint(ignored)
             if "ep" in sizes and "dp" in wrong and all(answer[k] == expected[k] for k in expected if k != "dp"):
                 hint = (" Only \"dp\" is wrong: it is the rank's position in its whole DP group (ranks sorted), made "
                         "of its \"ep\" and \"expert_dp\" coordinates in the order they are laid out")
@@ -191,7 +265,9 @@ def _judge_groups(sizes, order, groups) -> None:
     expect(isinstance(groups, dict) and set(groups) == set(expected),
            f"parallel_groups({what}) should return a dict with keys {sorted(expected)}, not "
            f"{sorted(groups) if isinstance(groups, dict) else type(groups).__name__}"
-           + (" (with EP: \"dp\", \"ep\" and \"expert_dp\")" if "ep" in sizes else ""))
+           + (" (with EP: \"dp\", \"ep\" and \"expert_dp\")" if "ep" in sizes else "")
+           + (f"; every dimension of `sizes` has its groups, {sorted(set(sizes) - set(groups))[0]!r} too"
+              if isinstance(groups, dict) and set(sizes) - set(groups) else ""))
     n = topology.world_size(sizes)
     for name, right in expected.items():
         answer = _normalised_groups(groups[name], f"parallel_groups({what})[{name!r}]")
@@ -205,7 +281,10 @@ def _judge_groups(sizes, order, groups) -> None:
             raise CheckFailed(f"parallel_groups({what})[{name!r}] has the right groups in another form: sort each "
                               "group's ranks, and the groups by their first rank")
         hint = ""
-        if "ep" not in sizes and answer == topology.parallel_groups(sizes, list(reversed(order)))[name]:
+        ignored = _ignored_dimension(sizes, lambda reduced: answer == topology.parallel_groups(reduced, order)[name])
+        if ignored:
+            hint = _ignored_hint(ignored)
+        elif "ep" not in sizes and answer == topology.parallel_groups(sizes, list(reversed(order)))[name]:
             hint = REVERSED_ORDER_HINT
         elif "ep" in sizes and name == "dp" and answer == expected.get("expert_dp"):
             hint = (" That is the expert_dp group: the whole DP group holds the ranks that differ in either of DP's "
@@ -231,6 +310,11 @@ def _judge_mesh_arguments(sizes, order, answer) -> None:
     if tuple(reversed(shape)) == right_shape and tuple(reversed(names)) == right_names:
         raise CheckFailed(f"device_mesh_arguments({what}) = {tuple(shape)}, {tuple(names)}: init_device_mesh takes "
                           "the dimensions outermost first (its last dimension varies fastest), the order reversed")
+    left_out = [name for name in right_names if name not in names]
+    if left_out and [n for n in right_names if n in names] == list(names):
+        raise CheckFailed(f"device_mesh_arguments({what}) = {tuple(shape)}, {tuple(names)}, expected {right_shape}, "
+                          f"{right_names}: {left_out[0]!r} is missing; every dimension of `sizes` is a dimension of "
+                          "the mesh")
     raise CheckFailed(f"device_mesh_arguments({what}) = {tuple(shape)}, {tuple(names)}, expected {right_shape}, "
                       f"{right_names}" + (" (with EP the mesh has \"ep\" of size e and \"expert_dp\" of size dp/e)"
                                           if "ep" in sizes else ""))

@@ -579,73 +579,110 @@ def test_pipeline_accepts_batched_p2p_and_a_tensor_loss(tmp_notebook):
     assert result.status == "passed", result
 
 
-# --- exercise 5: the measured bubble (the judge on timelines made to order; tests/test_pp_load.py runs it) ---
+# --- exercise 5: the measured bubble (the judge on rank sequences made to order; tests/test_pp_load.py runs it) ---
 
-def timeline_logs(schedule, offset=1000.0) -> list:
-    """A pipeline's logs as the sleeping stages record them, from a simulated timeline."""
-    times = {"F": pp.FORWARD_S, "B": pp.BACKWARD_S, "W": 0.0}
-    timeline = pipeline.simulate(schedule, times)
-    return [[(op[0], op[1], offset + start, offset + end) for op, start, end in zip(ops, starts, ends)]
-            for ops, starts, ends in zip(schedule, timeline.start, timeline.end)]
+def rank_sequences(schedule, early=()) -> list:
+    """What each rank of exercise 4's solution records for a schedule of F and B: a blocking
+    receive (recv + wait) right before each op that needs a message, an isend right after each op
+    whose result another stage needs, and a wait on every send at the end. For (rank, i) in
+    `early`, op i's receive comes before op i - 1 instead (a wait its previous op does not need)."""
+    p = len(schedule)
+    sequences = []
+    for rank, ops in enumerate(schedule):
+        events, sends = [], []
+
+        def receive(kind):
+            peer = rank - 1 if kind == "F" else rank + 1
+            if 0 <= peer < p:
+                events.extend([{"op": "recv", "peer": peer, "tag": 0}, {"op": "wait", "of": len(events)}])
+
+        for index, (kind, micro_batch, _) in enumerate(ops):
+            if (rank, index + 1) in early:
+                receive(ops[index + 1][0])
+            if (rank, index) not in early:
+                receive(kind)
+            events.append({"op": kind, "micro_batch": micro_batch})
+            peer = rank + 1 if kind == "F" else rank - 1
+            if 0 <= peer < p:
+                sends.append(len(events))
+                events.append({"op": "send", "peer": peer, "tag": 0})
+        sequences.append(events + [{"op": "wait", "of": index} for index in sends])
+    return sequences
 
 
-def judge_runs(logs_by_m, measured=None, synthetic=0.3):
-    check = pp.MeasuredBubble()
-    inputs = {"synthetic": [[(0.0, 3.0), (5.0, 8.0)], [(2.0, 10.0)]]}
-    runs = [[{"logs": logs, "measured": pipeline.idle_fraction([[(s, e) for *_, s, e in log] for log in logs])
-              if measured is None else measured(logs)}] for logs in logs_by_m]
-    return check.judge(inputs, {"runs": runs, "synthetic": synthetic})
+BUBBLE_WORLDS = [(2, 5), (3, 2), (4, 9)]
+SYNTHETIC = [[(0.0, 3.0), (5.0, 8.0)], [(2.0, 10.0)]]
 
 
-def one_f_one_b_runs(**kwargs):
-    return [timeline_logs(pipeline.one_f_one_b_schedule(pp.SLEEP_P, m), **kwargs) for m in pp.SLEEP_MS]
+def replayed_idle(sequences) -> float:
+    return pipeline.idle_fraction([[(s, e) for s, e, _ in rank] for rank in pp.measured_bubble.replay(sequences)["intervals"]])
 
 
-def test_measured_bubble_judge_accepts_an_ideal_1f1b_run():
-    assert "within 3 points" in judge_runs(one_f_one_b_runs())
+def judge_bubble(runs, measured=None, synthetic=None):
+    """The measured-bubble judge on one run per world; `measured` gives the learner's answer."""
+    inputs = {"worlds": [(len(run), sum(e["op"] == "F" for e in run[0])) for run in runs], "synthetic": SYNTHETIC}
+    answers = [(measured or replayed_idle)(run) for run in runs]
+    return pp.measured_bubble.MeasuredBubble().judge(inputs, {
+        "runs": runs, "measured": answers, "synthetic": pipeline.idle_fraction(SYNTHETIC) if synthetic is None else synthetic})
 
 
-def test_measured_bubble_judge_rejects_a_pipeline_that_serialises_its_stages():
-    sequential = [[op for k in range(m) for op in (("F", k, 0), ("B", k, 0))] for m in pp.SLEEP_MS]
-    logs = [timeline_logs([ops] * pp.SLEEP_P) for ops in sequential]
-    with pytest.raises(CheckFailed, match=r"idled 75\.0% of the time; 1F1B's bubble is \(p-1\)/\(m\+p-1\) = 42\.9%"):
-        judge_runs(logs)
+def course_runs(schedule=pipeline.one_f_one_b_schedule):
+    return [rank_sequences(schedule(p, m)) for p, m in BUBBLE_WORLDS]
+
+
+def test_replay_of_1f1b_idles_exactly_the_bubble_fraction():
+    for p in range(1, 6):
+        for m in range(1, 10):
+            assert replayed_idle(rank_sequences(pipeline.one_f_one_b_schedule(p, m))) == pytest.approx(
+                pipeline.bubble_fraction(p, m), rel=1e-12, abs=1e-12)
+
+
+def test_measured_bubble_judge_accepts_the_course_step():
+    assert "idles exactly (p-1)/(m+p-1)" in judge_bubble(course_runs())
+
+
+def test_measured_bubble_judge_rejects_a_gpipe_order():
+    with pytest.raises(CheckFailed, match="under 1F1B stage s holds at most"):
+        judge_bubble(course_runs(pipeline.gpipe_schedule))
+
+
+def test_measured_bubble_rejects_a_gpipe_order_step(tmp_notebook):
+    assert_fails(graded(tmp_notebook, "pp.measured_bubble", {"one_f_one_b_step": step(WARM_UP="m")}),
+                 "under 1F1B stage s holds at most")
+
+
+def test_measured_bubble_judge_rejects_a_gradient_received_before_the_forward():
+    runs = course_runs()
+    # p = 4, rank 1 (two warm-up forwards): F0 F1 F2 B0 F3 B1 ...; B1's gradient received before F3
+    runs[2] = rank_sequences(pipeline.one_f_one_b_schedule(4, 9), early={(1, 5)})
+    with pytest.raises(CheckFailed, match="your pipeline idles .*; 1F1B's bubble is .*Rank 1 sat idle .* gradient "
+                                          "message 2 from rank 2, before its next forward, which does not need it"):
+        judge_bubble(runs)
+
+
+def test_measured_bubble_judge_rejects_an_op_run_before_its_message_was_waited_on():
+    runs = course_runs()
+    runs[0][1] = [e for e in runs[0][1] if not (e["op"] == "wait" and runs[0][1][e["of"]]["op"] == "recv")]
+    with pytest.raises(CheckFailed, match="before it had waited for the activation"):
+        judge_bubble(runs)
 
 
 def test_measured_bubble_judge_rejects_a_wrong_measurement():
-    def idle_over_busy(logs):
-        bubble = pipeline.idle_fraction([[(s, e) for *_, s, e in log] for log in logs])
+    def idle_over_busy(run):
+        bubble = replayed_idle(run)
         return bubble / (1 - bubble)
     with pytest.raises(CheckFailed, match="idle time over busy time"):
-        judge_runs(one_f_one_b_runs(), measured=idle_over_busy)
+        judge_bubble(course_runs(), measured=idle_over_busy)
     with pytest.raises(CheckFailed, match="random intervals"):
-        judge_runs(one_f_one_b_runs(), synthetic=0.25)
+        judge_bubble(course_runs(), synthetic=0.25)
 
 
-def test_measured_bubble_judge_rejects_forged_timelines():
-    runs = one_f_one_b_runs()
-    short = [[list(log) for log in logs] for logs in runs]
-    kind, k, start, end = short[0][1][0]
-    short[0][1][0] = (kind, k, start, start + 0.001)  # a forward that did not sleep
-    with pytest.raises(CheckFailed, match="shorter than its"):
-        judge_runs(short)
-    early = [[list(log) for log in logs] for logs in runs]
-    early[1][2] = [(kind, k, start - 0.5, end - 0.5) for kind, k, start, end in early[1][2]]  # stage 2 before stage 1
-    with pytest.raises(CheckFailed, match="before the stage it comes from had finished"):
-        judge_runs(early)
-
-
-def test_the_least_idle_of_several_runs_counts():
-    slow = timeline_logs(pipeline.gpipe_schedule(pp.SLEEP_P, 4), offset=0.0)
-    stretched = [[(kind, k, 2 * start, 2 * start + (end - start)) for kind, k, start, end in log] for log in slow]
-    check, runs = pp.MeasuredBubble(), []
-    for logs in one_f_one_b_runs():
-        bubble = pipeline.idle_fraction([[(s, e) for *_, s, e in log] for log in logs])
-        runs.append([{"logs": logs, "measured": bubble}])
-    stretched_bubble = pipeline.idle_fraction([[(s, e) for *_, s, e in log] for log in stretched])
-    runs[0].insert(0, {"logs": stretched, "measured": stretched_bubble})  # a first run slowed by a busy machine
-    inputs = {"synthetic": [[(0.0, 1.0)], [(0.5, 2.0)]]}
-    assert check.judge(inputs, {"runs": runs, "synthetic": pipeline.idle_fraction(inputs["synthetic"])})
+def test_measured_bubble_without_exercise_4_is_missing_and_names_it(tmp_notebook):
+    stub = ("def one_f_one_b_step(stage, batch, targets, n_micro_batches, boundary_shape):\n"
+            "    raise NotImplementedError('write your solution here')\n")
+    result = graded(tmp_notebook, "pp.measured_bubble", {"one_f_one_b_step": stub})
+    assert result.status == "missing", result
+    assert "one_f_one_b_step from exercise 4" in result.feedback
 
 
 # --- interview ---

@@ -1,62 +1,222 @@
-"""Exercise 5: the bubble of the learner's real pipeline."""
+"""Exercise 5: the bubble of the learner's real pipeline, on a logical clock.
+
+Each rank runs the learner's exercise-4 step on a stage that computes nothing (the identity, with
+each row's micro-batch number in column 0) and appends every forward and backward it runs to the
+same list in which a CommunicationLog records the rank's sends, receives and waits: one ordered
+sequence per rank, no durations. The judge replays these sequences on a logical clock (a
+forward takes T_F, a backward T_B, issuing a message nothing) and measures the idle share of the
+replayed timeline. The verdict depends only on what the ranks did and in which order, never on
+how busy the machine was; a correct 1F1B step idles exactly (p-1)/(m+p-1).
+
+Wall-clock measurements of the same step (dtp.pipeline.measure_sleeping_pipeline) stay on the
+page and in the benchmark.
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from dtp import pipeline
+from dtp.traffic import CommunicationLog
 
 from ...compare import CheckFailed, expect, expect_answer
 from ...registry import Check, exercise
+from ..common import RanksFailed, completed_worlds, raise_world_failure, run_worlds
+from .real_pipeline import _judge_order
+
+T_F, T_B = 1.0, 2.0  # logical durations: a backward costs two forwards (two matrix products to one)
+WIDTH, MICRO_BATCH = 4, 1
+COMPUTE = ("F", "B")
 
 
-# --- 5. the bubble of the real pipeline, measured ---------------------------------------------
+class _TaggedLog(CommunicationLog):
+    """A CommunicationLog that also keeps each send's and receive's tag: gloo matches the n-th
+    send from a to b with tag t to the n-th receive on b from a with tag t."""
 
-SLEEP_P = 4
-SLEEP_MS = (4, 8, 16)  # micro-batch counts
-FORWARD_S, BACKWARD_S = 0.05, 0.1  # each op sleeps this long; see tests/test_pp_load.py for why
-BUBBLE_TOLERANCE = 0.03
+    def _record(self, method, group, args):
+        event = super()._record(method, group, args)
+        if event["op"] in ("send", "recv"):
+            position = 1 if method == "recv_anysource" else 2  # (tensors, peer, tag) or (tensors, tag)
+            event["tag"] = int(args[position]) if len(args) > position else 0
+        return event
 
 
-def _busy_intervals(log: list) -> list[tuple[float, float]]:
-    return [(start, end) for _, _, start, end in log]
+def recording_rank(rank, world_size, step, m):
+    log = _TaggedLog()
+    stage = pipeline.SleepingStage(WIDTH, 0.0, 0.0, sequence=log.events)  # no sleeps: order only
+    batch, targets = pipeline.tagged_batch(m, MICRO_BATCH, WIDTH)
+    with log:
+        step(stage, batch, targets, m, (MICRO_BATCH, WIDTH))
+    keep = ("op", "peer", "tag", "of", "micro_batch")
+    return [{key: event[key] for key in keep if key in event} for event in log.events]
 
 
-def _judge_sleeping_run(logs: list, m: int) -> float:
-    """The measured bubble of one run, after checking that its timeline is one a pipeline could
-    have: every op once, each at least its sleep long, none overlapping on a stage, and each
-    after the op it depends on on the neighbouring stage (times are the grader's own)."""
-    p = len(logs)
-    world = f"p = {p}, m = {m}"
-    when = [{(kind, micro_batch): (start, end) for kind, micro_batch, start, end in log} for log in logs]
-    for rank, log in enumerate(logs):
-        ran = sorted((kind, micro_batch) for kind, micro_batch, _, _ in log)
-        expect(ran == sorted((kind, k) for kind in "FB" for k in range(m)),
-               f"{world}: rank {rank}'s stage did not run each micro-batch forward and backward exactly once")
-        for kind, micro_batch, start, end in log:
-            least = FORWARD_S if kind == "F" else BACKWARD_S
-            expect(end - start >= least * 0.999, f"{world}: a {kind} op took {end - start:.4f} s, shorter than its "
-                                                 f"{least} s sleep: the timeline is not one the stages produced")
-        ordered = sorted(log, key=lambda op: op[2])
-        expect(all(a[3] <= b[2] + 1e-6 for a, b in zip(ordered, ordered[1:])),
-               f"{world}: rank {rank}'s ops overlap in time")
-    for rank in range(p - 1):
-        for k in range(m):
-            expect(when[rank + 1][("F", k)][0] >= when[rank][("F", k)][1] - 1e-6 and
-                   when[rank][("B", k)][0] >= when[rank + 1][("B", k)][1] - 1e-6,
-                   f"{world}: micro-batch {k} reached a stage before the stage it comes from had finished it")
-    return pipeline.idle_fraction([_busy_intervals(log) for log in logs])
+# --- the rank's sequence: what it may contain -------------------------------------------------
+
+def _check_sequence(events: list, rank: int, p: int, m: int, world: str) -> None:
+    """Point-to-point messages to neighbours only, one per micro-batch each way, and each op
+    after the messages it computes on (a forward after the wait for its input, a backward after
+    the wait for its output's gradient) and each message after the op that computed it."""
+    other = sorted({e["op"] for e in events} - {"send", "recv", "wait", *COMPUTE})
+    expect(not other, f"{world}: rank {rank} called {', '.join(other)}; pipeline stages talk to their neighbours with "
+                      "point-to-point send/recv (isend/irecv) only")
+    for event in events:
+        if event["op"] in ("send", "recv"):
+            expect(event.get("peer") in (rank - 1, rank + 1),
+                   f"{world}: rank {rank} {'sent to' if event['op'] == 'send' else 'received from'} "
+                   + ("any rank; name the neighbour it comes from" if event.get("peer") is None else
+                      f"rank {event['peer']}; a stage talks to ranks {rank - 1} and {rank + 1} only"))
+    for op, peer, what in (("send", rank + 1, "activations"), ("send", rank - 1, "gradients"),
+                           ("recv", rank - 1, "activations"), ("recv", rank + 1, "gradients")):
+        if 0 <= peer < p:
+            count = sum(e["op"] == op and e["peer"] == peer for e in events)
+            expect(count == m, f"{world}: rank {rank} {'sent' if op == 'send' else 'received'} {count} messages "
+                               f"{'to' if op == 'send' else 'from'} rank {peer} for m = {m} micro-batches; each "
+                               f"micro-batch's {what[:-1]} crosses the boundary in its own message")
+    waited = {"prev": 0, "next": 0}
+    done = {"F": 0, "B": 0}
+    sent = {rank - 1: 0, rank + 1: 0}
+    for index, event in enumerate(events):
+        op = event["op"]
+        if op == "wait":
+            awaited = events[event["of"]] if isinstance(event.get("of"), int) and 0 <= event["of"] < index else {}
+            if awaited.get("op") == "recv":
+                waited["prev" if awaited["peer"] == rank - 1 else "next"] += 1
+        elif op in COMPUTE:
+            done[op] += 1
+            needs, side = ("prev", rank > 0) if op == "F" else ("next", rank < p - 1)
+            if side and waited[needs] < done[op]:
+                what = (f"its forward of micro-batch {done[op] - 1} before it had waited for the activation from rank "
+                        f"{rank - 1}" if op == "F" else f"its backward {done[op]} before it had waited for the "
+                        f"gradient from rank {rank + 1}")
+                raise CheckFailed(f"{world}: rank {rank} ran {what}: it computed on a buffer whose message had not "
+                                  "arrived. Wait on a receive's handle (or use dist.recv) before using its tensor")
+        elif op == "send":
+            sent[event["peer"]] += 1
+            kind = "F" if event["peer"] == rank + 1 else "B"
+            expect(sent[event["peer"]] <= done[kind],
+                   f"{world}: rank {rank} sent message {sent[event['peer']]} to rank {event['peer']} before computing "
+                   f"it: a stage sends a micro-batch's {'output' if kind == 'F' else 'input gradient'} after its "
+                   f"{'forward' if kind == 'F' else 'backward'}")
+
+
+# --- the logical clock --------------------------------------------------------------------------
+
+def replay(sequences: list) -> dict:
+    """Replay every rank's sequence on a logical clock: a forward takes T_F, a backward T_B,
+    issuing a send or a receive takes nothing. Waiting on a receive ends when the matching send
+    (the n-th from that peer with that tag) has been issued, if that is later; waiting on a send
+    ends when the matching receive has been posted: measured on torch 2.13's gloo, a send's
+    handle completes only once the receiver has posted its recv, even for a 32-byte message
+    (tests/test_pp_load.py::test_a_gloo_send_completes_only_once_its_receive_is_posted).
+    Returns each rank's compute intervals (start, end, kind) and each wait that advanced a
+    rank's clock; raises CheckFailed if no rank can go on (a deadlock)."""
+    p = len(sequences)
+    keys = []  # per rank, per event: (src, dst, tag) and the event's ordinal among that key's events
+    for rank, events in enumerate(sequences):
+        seen, mine = {}, []
+        for event in events:
+            if event["op"] in ("send", "recv"):
+                key = (rank, event["peer"], event["tag"]) if event["op"] == "send" else (event["peer"], rank, event["tag"])
+                seen[(event["op"], key)] = seen.get((event["op"], key), -1) + 1
+                mine.append((key, seen[(event["op"], key)]))
+            else:
+                mine.append(None)
+        keys.append(mine)
+    issued = {"send": {}, "recv": {}}  # key -> issue times in order
+    clock, position = [0.0] * p, [0] * p
+    intervals = [[] for _ in range(p)]
+    delays = []  # (rank, from, to, index of the awaited event, index of the wait)
+    progress = True
+    while progress:
+        progress = False
+        for rank, events in enumerate(sequences):
+            while position[rank] < len(events):
+                index, event = position[rank], events[position[rank]]
+                if event["op"] in COMPUTE:
+                    took = T_F if event["op"] == "F" else T_B
+                    intervals[rank].append((clock[rank], clock[rank] + took, event["op"]))
+                    clock[rank] += took
+                elif event["op"] in ("send", "recv"):
+                    key, _ = keys[rank][index]
+                    issued[event["op"]].setdefault(key, []).append(clock[rank])
+                elif event["op"] == "wait":
+                    awaited = event.get("of")
+                    if isinstance(awaited, int) and 0 <= awaited < index and keys[rank][awaited] is not None:
+                        key, ordinal = keys[rank][awaited]
+                        partner = issued["recv" if events[awaited]["op"] == "send" else "send"].get(key, [])
+                        if len(partner) <= ordinal:
+                            break  # blocked until the peer issues the matching message
+                        if partner[ordinal] > clock[rank]:
+                            delays.append((rank, clock[rank], partner[ordinal], awaited, index))
+                            clock[rank] = partner[ordinal]
+                position[rank] += 1
+                progress = True
+    stuck = [rank for rank in range(p) if position[rank] < len(sequences[rank])]
+    if stuck:
+        raise CheckFailed("the ranks' sends and receives cannot all complete: " + "; ".join(
+            f"rank {rank} waits on {_describe_message(sequences[rank], rank, sequences[rank][position[rank]]['of'])}"
+            for rank in stuck))
+    return {"intervals": intervals, "delays": delays}
+
+
+def _describe_message(events: list, rank: int, index: int) -> str:
+    event = events[index]
+    number = sum(e["op"] == event["op"] and e["peer"] == event["peer"] for e in events[:index + 1])
+    if event["op"] == "recv":
+        what = "activation" if event["peer"] == rank - 1 else "gradient"
+        return f"its receive of {what} message {number} from rank {event['peer']}"
+    return f"its send of message {number} to rank {event['peer']}, which completes only once rank {event['peer']} posts the matching receive (gloo)"
+
+
+def _needless_wait(sequences: list, delays: list) -> str | None:
+    """The earliest wait that idled a rank for a message its next op does not compute on: not
+    the input of its next forward (the next activation from rank - 1) or of its next backward
+    (the next gradient from rank + 1)."""
+    for rank, began, ended, awaited, index in sorted(delays, key=lambda delay: delay[1]):
+        events = sequences[rank]
+        following = next((i for i in range(index + 1, len(events)) if events[i]["op"] in COMPUTE), None)
+        if following is None:
+            continue  # the step's end: nothing idles after it
+        kind = events[following]["op"]
+        number = sum(e["op"] == kind for e in events[:following + 1])  # the next op is the number-th of its kind
+        message = events[awaited]
+        ordinal = sum(e["op"] == message["op"] and e["peer"] == message["peer"] for e in events[:awaited + 1])
+        needed_from = rank - 1 if kind == "F" else rank + 1
+        if message["op"] == "recv" and message["peer"] == needed_from and ordinal <= number:
+            continue
+        op = "forward" if kind == "F" else "backward"
+        return (f"rank {rank} sat idle from {began:g} to {ended:g} on {_describe_message(events, rank, awaited)}, before "
+                f"its next {op}, which does not need it")
+    return None
+
+
+def replayed_bubble(sequences: list) -> float:
+    return pipeline_idle_share([[(start, end) for start, end, _ in rank] for rank in replay(sequences)["intervals"]])
+
+
+def pipeline_idle_share(busy: list) -> float:
+    """The idle share of p × (last end - first start): the grader's own, not dtp's (which the
+    sandbox disables while the learner's measured_bubble is graded)."""
+    intervals = [interval for stage in busy for interval in stage]
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    return 1 - sum(end - start for start, end in intervals) / (len(busy) * span)
 
 
 @exercise("pp.measured_bubble", points=2)
 class MeasuredBubble(Check):
-    """Verifies: the learner's 1F1B step, run on 4 gloo processes whose stages sleep 50 ms per
-    forward and 100 ms per backward (timed by grader code), idles within 3 percentage points of
-    (p-1)/(m+p-1) for m = 4, 8 and 16 (a run more than 3 points over is repeated, up to 3 runs,
-    and the least idle one counts: load from other processes only adds idle time); and
-    measured_bubble returns the idle share of every run's intervals and of random intervals.
-    Fakes: every run's timeline must be one the stages could produce (every op once, at least its
-    sleep long, after what it depends on); a pipeline that serialises its stages idles
-    3(m-1)/(4m) or more in every run; dtp.pipeline.idle_fraction trips.
+    """Verifies: the learner's 1F1B step (exercise 4), run on 2, 3 and 4 gloo processes with
+    random m (below and above p), sends one message per micro-batch each way between neighbours
+    only, computes each op after waiting for the message it computes on, keeps 1F1B's
+    min(p - s, m) micro-batches in flight on stage s (the order pp.pipeline_1f1b requires), and,
+    replayed on a logical clock (forward 1, backward 2, messages free, a receive waits for its
+    send, a gloo send for its receive), idles exactly (p-1)/(m+p-1) of the step; measured_bubble
+    returns the idle share of the replayed intervals and of random intervals.
+    The verdict never depends on wall-clock time: the replay uses only the order of each rank's
+    ops, sends, receives and waits.
+    Fakes: a GPipe order (peak m) fails the order; a stage that waits for a message its next op
+    does not need (a gradient before a forward, a send before computing on) idles more in the
+    replay; ops run before their message was waited on are refused; dtp.pipeline.idle_fraction
+    trips.
     """
 
     reads = ("one_f_one_b_step", "measured_bubble")
@@ -65,43 +225,64 @@ class MeasuredBubble(Check):
     runs_world = True
 
     def prepare(self, rng):
+        worlds = [(2, int(rng.integers(2, 7))), (3, int(rng.integers(1, 3))), (4, int(rng.integers(5, 13)))]
         stages = int(rng.integers(2, 6))
         synthetic = []
         for _ in range(stages):
             edges = np.sort(rng.uniform(0.0, 10.0, 2 * int(rng.integers(1, 5))))
             synthetic.append([(float(a), float(b)) for a, b in zip(edges[::2], edges[1::2])])
-        return {"synthetic": synthetic}
+        return {"worlds": worlds, "synthetic": synthetic}
 
     def collect(self, student, inputs):
-        from .common import world_options
-
-        runs = []
-        for m in SLEEP_MS:
-            attempts = pipeline.measure_sleeping_pipeline(student.one_f_one_b_step, SLEEP_P, m, FORWARD_S, BACKWARD_S,
-                                                          retry_above=BUBBLE_TOLERANCE, **world_options())
-            runs.append([{"logs": logs, "measured": student.measured_bubble([_busy_intervals(log) for log in logs])}
-                         for logs in attempts])
-        return {"runs": runs, "synthetic": student.measured_bubble([list(stage) for stage in inputs["synthetic"]])}
+        outcomes = run_worlds(recording_rank, [(p, (student.one_f_one_b_step, m)) for p, m in inputs["worlds"]])
+        failure = completed_worlds(outcomes)[1]
+        if failure is not None and failure["status"] == "missing":
+            return {"runs": outcomes, "measured": [], "synthetic": None}  # the judge names exercise 4
+        measured = []
+        for outcome in completed_worlds(outcomes)[0]:
+            try:  # the learner's measure of the replayed run; the judge replays again, on its own
+                busy = [[(start, end) for start, end, _ in rank] for rank in replay(outcome)["intervals"]]
+            except Exception:  # noqa: BLE001 - a sequence the judge refuses, with its reason
+                busy = None
+            measured.append(None if busy is None else student.measured_bubble(busy))
+        return {"runs": outcomes, "measured": measured,
+                "synthetic": student.measured_bubble([list(stage) for stage in inputs["synthetic"]])}
 
     def judge(self, inputs, data) -> str:
-        expect_answer(data["synthetic"], pipeline.idle_fraction(inputs["synthetic"]),
+        done, failure = completed_worlds(data["runs"])
+        if failure is not None and failure["status"] == "missing":
+            raise RanksFailed("missing", "exercise 5 runs your one_f_one_b_step from exercise 4, which is not "
+                                         "implemented yet (a rank hit its `raise NotImplementedError`): finish exercise "
+                                         "4 first")
+        expect_answer(data["synthetic"], pipeline_idle_share(inputs["synthetic"]),
                       "measured_bubble on the grader's random intervals", rel=1e-9)
-        for m, attempts in zip(SLEEP_MS, data["runs"]):
-            bubbles = []
-            for run in attempts:
-                bubble = _judge_sleeping_run(run["logs"], m)
-                expect_answer(run["measured"], bubble, f"measured_bubble of the run with m = {m}", rel=1e-9, slips={
-                    "that is idle time over busy time; the bubble is the idle share of p × (last end - first start)":
-                        bubble / (1 - bubble)})
-                bubbles.append(bubble)
-            bubble = min(bubbles)  # load on the machine only adds idle time: the least idle run is the pipeline's
-            expected = pipeline.bubble_fraction(SLEEP_P, m)
-            if abs(bubble - expected) > BUBBLE_TOLERANCE:
-                raise CheckFailed(f"with p = {SLEEP_P} and m = {m} your pipeline idled {bubble:.1%} of the time; 1F1B's "
-                                  f"bubble is (p-1)/(m+p-1) = {expected:.1%} (tolerance {BUBBLE_TOLERANCE:.0%}). "
-                                  + ("A stage waited for messages longer than the schedule makes it: send each "
-                                     "activation and gradient as soon as it is computed (isend), and receive only "
-                                     "what the next op needs" if bubble > expected else
-                                     "Less idle time than the schedule allows: are the stages' sleeps all there?"))
-        return ("with 4 sleeping stages your pipeline idles within 3 points of (p-1)/(m+p-1) for m = 4, 8 and 16, and "
-                "measured_bubble computes the idle share right")
+        runs = [(p, m, f"p = {p} processes, m = {m} micro-batches", sequences)
+                for (p, m), sequences in zip(inputs["worlds"], done)]
+        for p, m, world, sequences in runs:
+            for rank, events in enumerate(sequences):
+                _check_sequence(events, rank, p, m, world)
+        for p, m, world, sequences in runs:
+            for rank, events in enumerate(sequences):
+                _judge_order([e["op"] for e in events if e["op"] in COMPUTE], rank, p, m, world)
+        for (p, m, world, sequences), measured in zip(runs, data["measured"]):
+            try:
+                replayed = replay(sequences)
+            except CheckFailed as deadlock:
+                raise CheckFailed(f"{world}: {deadlock}") from None
+            busy = [[(start, end) for start, end, _ in rank] for rank in replayed["intervals"]]
+            bubble, expected = pipeline_idle_share(busy), pipeline.bubble_fraction(p, m)
+            expect_answer(measured, bubble, f"measured_bubble of the replayed run with {world}", rel=1e-9, slips={
+                "that is idle time over busy time; the bubble is the idle share of p × (last end - first start)":
+                    bubble / (1 - bubble)})
+            if not np.isclose(bubble, expected, rtol=1e-9, atol=1e-12):
+                why = _needless_wait(sequences, replayed["delays"])
+                raise CheckFailed(
+                    f"{world}: replayed on the grader's clock (forward 1, backward 2, messages free), your pipeline "
+                    f"idles {bubble:.1%} of the step; 1F1B's bubble is (p-1)/(m+p-1) = {expected:.1%}. "
+                    + (f"{why[0].upper()}{why[1:]}: wait for each message right before the op that computes on it, "
+                       "and send with isend, waiting for the handles at the end" if why else
+                       "A stage waited for messages longer than the schedule makes it: receive only what the next "
+                       "op needs, and send each activation and gradient as soon as it is computed (isend)"))
+        raise_world_failure(failure)
+        return ("replayed on a logical clock, your 1F1B step idles exactly (p-1)/(m+p-1) for p = 2, 3 and 4 with 1F1B's "
+                "micro-batches in flight, and measured_bubble computes the idle share right")

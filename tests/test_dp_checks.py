@@ -496,6 +496,47 @@ def test_bucketed_ddp_rejects(tmp_notebook, changes, feedback):
     assert feedback in result.feedback
 
 
+# The previous bucket rule: close the open bucket before a parameter would take it past the cap.
+BUCKETED_NEVER_PAST_THE_CAP = bucketed().replace(
+    """            current.append(parameter)
+            current_bytes += parameter.numel() * parameter.element_size()
+            if current_bytes >= bucket_cap_bytes:
+                self.buckets.append(current)
+                current, current_bytes = [], 0
+""", """            size = parameter.numel() * parameter.element_size()
+            if current and current_bytes + size > bucket_cap_bytes:
+                self.buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(parameter)
+            current_bytes += size
+""")
+
+
+def test_every_bucketed_grading_tests_a_cap_where_the_near_misses_differ():
+    """At some caps equal to a cumulative size (2384 bytes here) a bucket that never grows past the cap, or that
+    closes only past it, forms DDP's buckets; every grading must draw a cap where both differ."""
+    import numpy as np
+
+    from grader.checks.dp import training
+    from grader.registry import find_exercise
+    check = find_exercise("dp.bucketed_ddp").check
+    sizes = [p.numel() * 4 for p in training.tiny_mlp(training.MLP_SIZES).parameters()]
+    assert training._buckets_never_past_the_cap(sizes, 2384) == training.costs.ddp_bucket_sizes(sizes, 2384)
+    for seed in range(300):
+        caps = [cap for _, cap, _, _ in check.prepare(np.random.default_rng(seed))]
+        right = [training.costs.ddp_bucket_sizes(sizes, cap) for cap in caps]
+        assert right != [training._buckets_never_past_the_cap(sizes, cap) for cap in caps], seed
+        assert right != [training._buckets_past_the_cap(sizes, cap) for cap in caps], seed
+
+
+def test_bucketed_ddp_refuses_buckets_that_never_grow_past_the_cap(tmp_notebook):
+    assert BUCKETED_NEVER_PAST_THE_CAP != bucketed()
+    for _ in range(2):  # each grading draws its caps afresh
+        result = grade(tmp_notebook("dp", {"BucketedDDP": BUCKETED_NEVER_PAST_THE_CAP}),
+                       "dp.bucketed_ddp")["dp.bucketed_ddp"]
+        assert result.status == "failed" and "yours never grow past the cap" in result.feedback, result
+
+
 def test_bucketed_ddp_that_wraps_torch_ddp_is_told_so(tmp_notebook):
     result = grade(tmp_notebook("dp", {"BucketedDDP": BUCKETED_WRAPS_TORCH_DDP}), "dp.bucketed_ddp")["dp.bucketed_ddp"]
     assert result.status == "failed" and "uses the course's reference" in result.feedback, result
@@ -593,14 +634,56 @@ def test_bus_bandwidth_rejects(tmp_notebook, bus, feedback):
     assert result.status == "failed" and feedback in result.feedback
 
 
-@pytest.mark.parametrize("answers, feedback", [
-    ("interview_bytes_sent_per_gpu = 2.6e9\ninterview_allreduce_ms = 26.0", "2(n-1)/n·S"),
-    ("interview_bytes_sent_per_gpu = 2 * 63 / 64 * 2.6e9\ninterview_allreduce_ms = 0.0512", "interview_allreduce_ms"),
-    ("interview_bytes_sent_per_gpu = 2 * 63 / 64 * 1.3e9\ninterview_allreduce_ms = 25.6", "interview_bytes_sent_per_gpu"),
-], ids=["sent-S", "seconds-not-ms", "forgot-2-bytes"])
-def test_interview_rejects(tmp_notebook, answers, feedback):
-    result = grade(tmp_notebook("dp", {"interview_bytes_sent_per_gpu": answers}), "dp.interview")["dp.interview"]
-    assert result.status == "failed" and feedback in result.feedback
+INTERVIEW = '''
+def interview_bytes_sent_per_gpu(n_params, bytes_per_gradient, n_gpus):
+    return {SENT}
+
+
+def interview_allreduce_ms(n_params, bytes_per_gradient, n_gpus, link_bytes_per_s):
+    return {MS}
+'''
+RIGHT_INTERVIEW = dict(SENT="2 * (n_gpus - 1) / n_gpus * n_params * bytes_per_gradient",
+                       MS="2 * (n_gpus - 1) / n_gpus * n_params * bytes_per_gradient / link_bytes_per_s * 1e3")
+
+
+def interview(**changes) -> str:
+    return INTERVIEW.format(**{**RIGHT_INTERVIEW, **changes})
+
+
+def test_interview_accepts_functions_of_the_question(tmp_notebook):
+    result = grade(tmp_notebook("dp", {"interview_bytes_sent_per_gpu": interview()}), "dp.interview")["dp.interview"]
+    assert result.status == "passed", result
+
+
+@pytest.mark.parametrize("changes, feedback", [
+    (dict(SENT="n_params * bytes_per_gradient"), "2(n-1)/n·S"),
+    (dict(SENT="2 * (n_gpus - 1) / n_gpus * n_params"), "multiply by the bytes per gradient"),
+    (dict(MS="n_params * bytes_per_gradient / link_bytes_per_s * 1e3"), "that uses S"),
+    (dict(MS="2 * (n_gpus - 1) / n_gpus * n_params * bytes_per_gradient / link_bytes_per_s"), "in seconds"),
+    # The asked question's answers, copied from the page: right for the question, wrong for any other.
+    (dict(SENT="2 * 63 / 64 * 1.3e9 * 2"), "interview_bytes_sent_per_gpu("),
+    (dict(MS="51.1875"), "interview_allreduce_ms("),
+    ("from dtp.costs import ring_all_reduce_bytes_per_rank as sent\n" + INTERVIEW.format(
+        SENT="sent(n_gpus, n_params * bytes_per_gradient)", MS=RIGHT_INTERVIEW["MS"]), "uses the course's reference"),
+], ids=["sent-S", "forgot-bytes-per-gradient", "time-of-S", "seconds-not-ms", "copied-bytes", "copied-ms",
+        "course-function"])
+def test_interview_rejects(tmp_notebook, changes, feedback):
+    source = changes if isinstance(changes, str) else interview(**changes)
+    result = grade(tmp_notebook("dp", {"interview_bytes_sent_per_gpu": source}), "dp.interview")["dp.interview"]
+    assert result.status == "failed" and feedback in result.feedback, result
+
+
+def test_interview_asks_the_notebooks_question():
+    """The question the notebook states is the one the grader asks (with random ones besides)."""
+    import nbformat
+
+    from conftest import solution_path
+    from grader.checks.dp.costs import Interview
+    statement = next(cell.source for cell in nbformat.read(solution_path("dp"), as_version=4).cells
+                     if cell.source.startswith("## Interview question"))
+    assert Interview.asked == {"interview_bytes_sent_per_gpu": (1.3e9, 2, 64),
+                               "interview_allreduce_ms": (1.3e9, 2, 64, 100e9)}
+    assert all(number in statement for number in ("1.3B", "fp16 (2 bytes", "64 GPUs", "100 GB/s"))
 
 
 def test_ring_replay_takes_the_closest_partial_sum_when_a_short_payload_matches_two():
@@ -621,7 +704,7 @@ def test_the_summed_gradients_diagnosis_needs_an_update_along_the_right_one():
     right update by chance; it did not sum anything, so it must not be told it did."""
     import numpy as np
 
-    from grader.checks.dp import _update_ratio
+    from grader.checks.dp.training import _update_ratio
 
     initial, right = {"w": np.zeros(3)}, {"w": np.array([1.0, 0.0, 0.0])}
     assert _update_ratio({"w": np.array([2.0, 0.0, 0.0])}, initial, right) == 2.0  # summed: along it, twice as far

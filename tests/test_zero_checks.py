@@ -457,3 +457,17 @@ RIGHT_INTERVIEW = dict(GB="140.0", FEWEST="17", SAVING="16 / 5.5")
 def test_interview_rejects(tmp_notebook, changes, feedback):
     source = INTERVIEW.format(**{**RIGHT_INTERVIEW, **changes})
     assert_fails(graded(tmp_notebook, "zero.interview", {"interview_70b_zero3_gb_per_gpu_on_8": source}), feedback)
+
+
+def test_every_stage_grading_draws_models_that_need_padding():
+    """An implementation that forgets to pad passes on a model whose units all divide by n (hidden
+    sizes of 16, 20 and 24 on 4 ranks): every world of every grading must pad a parameter and a layer."""
+    import numpy as np
+
+    from grader.checks import zero as checks
+    from grader.registry import find_exercise
+    for exercise_id in ("zero.zero1", "zero.zero2", "zero.zero3"):
+        check = find_exercise(exercise_id).check
+        for seed in range(100):
+            for n, sizes, _, _ in check.prepare(np.random.default_rng(seed)):
+                assert checks._needs_padding(sizes, n), (exercise_id, seed, n, sizes)

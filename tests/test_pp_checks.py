@@ -140,6 +140,37 @@ def test_interleaved_schedule_rejects(tmp_notebook, changes, feedback):
     assert_fails(result, *(feedback if isinstance(feedback, tuple) else (feedback,)))
 
 
+# Breadth-first (looped) order: all m micro-batches through a chunk before the next chunk, with the
+# (v-1)·m + 2(p-s-1) warm-up forwards it then needs. Megatron-LM's order when m = p.
+BREADTH_FIRST = dict(CHUNK='(k // m) % v if kind == "F" else v - 1 - (k // m) % v',
+                     WARM_UP="min((v - 1) * m + 2 * (p - s - 1), m * v)")
+
+
+def breadth_first_schedule(p, m, v):
+    namespace = {}
+    exec(interleaved(**BREADTH_FIRST).replace("round_ * p + within % p", "k % m"), namespace)
+    return namespace["interleaved_schedule"](p, m, v)
+
+
+def test_interleaved_schedule_rejects_a_breadth_first_order(tmp_notebook):
+    source = interleaved(**BREADTH_FIRST).replace("round_ * p + within % p", "k % m")
+    assert_fails(graded(tmp_notebook, "pp.interleaved_schedule", {"interleaved_schedule": source}),
+                 "chunk activations at once")
+
+
+def test_every_interleaved_draw_separates_the_breadth_first_order():
+    check = pp.schedules.InterleavedSchedule()
+    for seed in range(300):
+        cases = check.prepare(np.random.default_rng(seed))
+        refused = 0
+        for case in cases:
+            try:
+                check.judge([case], [breadth_first_schedule(*case[0])])
+            except CheckFailed:
+                refused += 1
+        assert refused >= 2, (seed, cases)  # m = 2p and m = 3p at least
+
+
 @pytest.mark.parametrize("warm_up", [
     "m * v if m == p else min((v - 1) * p + 2 * (p - s - 1), m * v)",  # Megatron-LM's all warm-up when m = p
     "min((v - 1) * p + (p - s - 1), m * v)",  # enough when messages take no time (see the book)

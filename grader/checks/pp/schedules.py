@@ -293,8 +293,10 @@ class InterleavedSchedule(ScheduleCheck):
     """Verifies: every F and B of every (micro-batch, chunk) once, B after its F, no deadlock
     (chunk c of stage s is virtual stage c·p + s), no stage holding more than min((v+1)·p - 1, v·m)
     chunk activations at once, and the time (v·m + p-1)(t_F+t_B) of chunk ops under random op
-    times, for p from 1 to 4, v = 2 and 3, m a multiple of p. Fakes: random cases; dtp.pipeline's
-    generator trips.
+    times, for p from 1 to 4, v = 2 and 3, m = p, 2p and 3p in every grading. Fakes: random
+    cases; a breadth-first order (each chunk for all m micro-batches before the next chunk, with
+    the warm-up it needs) holds more than the bound whenever m >= 2p, drawn every time;
+    dtp.pipeline's generator trips.
     """
 
     function, name = "interleaved_schedule", "interleaved 1F1B"
@@ -303,10 +305,12 @@ class InterleavedSchedule(ScheduleCheck):
                "and a step of (v·m + p-1)(t_F+t_B): the bubble shrinks v times")
 
     def cases(self, rng):
+        # m = p, 2p and 3p in every grading: a breadth-first order (all m micro-batches through a
+        # chunk before the next chunk) is Megatron-LM's order when m = p, and holds too much from m = 2p on
         cases = [(1, int(rng.integers(1, 4)), 2)]
-        for _ in range(4):
+        for rounds in (1, 2, 3, int(rng.integers(1, 4))):
             p = int(rng.integers(2, 5))
-            cases.append((p, p * int(rng.integers(1, 4)), int(rng.integers(2, 4))))
+            cases.append((p, p * rounds, int(rng.integers(2, 4))))
         return cases
 
     def check_property(self, schedule, call, p, m, v):

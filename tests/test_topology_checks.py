@@ -306,6 +306,43 @@ def test_dp_tp_training_rejects(tmp_notebook, old, new, feedback):
     assert_fails(graded(tmp_notebook, "topology.dp_tp_training", {TRAINING: variant(TRAINING, old, new)}), feedback)
 
 
+TRAINING_WITH_TORCH_DDP = variant(TRAINING, """    optimizer = torch.optim.SGD(parameters.values(), lr=lr)""", """    class Local(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.held = nn.ParameterList(parameters.values())
+
+        def forward(self, x):
+            return forward(x)
+
+    ddp = nn.parallel.DistributedDataParallel(Local(), process_group=mine["dp"])
+    optimizer = torch.optim.SGD(parameters.values(), lr=lr)""").replace("""        loss = F.mse_loss(forward(x), y)
+        loss.backward()
+        for parameter in parameters.values():
+            dist.all_reduce(parameter.grad, group=mine["dp"])
+            parameter.grad /= dp
+""", """        loss = F.mse_loss(ddp(x), y)
+        loss.backward()
+""")
+
+
+def test_dp_tp_training_explains_that_torch_ddp_s_all_reduces_are_not_recorded(tmp_notebook):
+    """DDP's gradient all-reduces run in C++, unseen by the log: the feedback says so, not "0 bytes"."""
+    assert "ddp(x)" in TRAINING_WITH_TORCH_DDP
+    result = graded(tmp_notebook, "topology.dp_tp_training", {TRAINING: TRAINING_WITH_TORCH_DDP})
+    assert_fails(result, "DistributedDataParallel, whose all-reduces run inside torch's C++ reducer")
+    assert "0 bytes" not in result.feedback
+
+
+def test_dp_tp_training_without_a_gradient_average_is_told_so(tmp_notebook):
+    source = variant(TRAINING, """        for parameter in parameters.values():
+            dist.all_reduce(parameter.grad, group=mine["dp"])
+            parameter.grad /= dp
+""", "")
+    result = graded(tmp_notebook, "topology.dp_tp_training", {TRAINING: source})
+    assert_fails(result, "issued no all-reduce on its DP group")
+    assert "DistributedDataParallel" not in result.feedback
+
+
 TRAINING_WITH_DEVICE_MESH_AND_ONE_BUCKET = variant(TRAINING, '''    mine = {}
     for name, groups in parallel_groups(sizes, order).items():
         for ranks in groups:

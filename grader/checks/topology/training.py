@@ -1,6 +1,8 @@
 """Exercise 4 of the topology chapter: data and tensor parallelism together, on gloo."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 from torch import nn
@@ -36,9 +38,30 @@ def _batches(case) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _dp_tp_on_rank(rank, world_size, train, dp, tp, case):
     model = _dense_model(case)
-    with CommunicationLog() as log:
+    with CommunicationLog() as log, _counting_ddp_modules() as ddp_modules:
         result = train(rank, world_size, dp, tp, model, _batches(case), case["lr"])
-    return {"result": result, "events": events_as_data(log)}
+    return {"result": result, "events": events_as_data(log), "ddp_modules": len(ddp_modules)}
+
+
+@contextlib.contextmanager
+def _counting_ddp_modules():
+    """The DistributedDataParallel modules built inside the block. Their gradient all-reduces run
+    in torch's C++ reducer, which the CommunicationLog does not see; the count only chooses the
+    feedback (the verdict rests on the recorded all-reduces), so learner code changing it gains
+    nothing."""
+    ddp_class = nn.parallel.DistributedDataParallel
+    original = ddp_class.__init__
+    built: list[bool] = []
+
+    def counting_init(self, *args, **kwargs):
+        built.append(True)
+        original(self, *args, **kwargs)
+
+    ddp_class.__init__ = counting_init
+    try:
+        yield built
+    finally:
+        ddp_class.__init__ = original
 
 
 def single_process_training(case) -> tuple[list[float], dict[str, np.ndarray]]:
@@ -74,7 +97,9 @@ class DataTensorParallelTraining(Check):
     (consecutive ranks), one forward (g) and one backward (f) per step, of its rows' activations;
     its gradient all-reduces ran on its DP group and carried its parameters' bytes each step.
     Fakes: dtp's 3D training code trips; a correct result computed with the wrong groups (TP
-    outermost) fails on the recorded groups; all-reducing over the whole world fails on them too.
+    outermost) fails on the recorded groups; all-reducing over the whole world fails on them too;
+    torch's DistributedDataParallel averages in C++, unrecorded, so its groups cannot be checked:
+    the statement asks for the all-reduces written out, and the feedback says why DDP fails.
     """
 
     reads = ("train_dp_tp",)
@@ -112,7 +137,7 @@ def _judge_dp_tp(dp, tp, case, per_rank) -> None:
     groups = topology.parallel_groups(sizes, ["tp", "dp"])
     losses, final = single_process_training(case)
     for rank, outcome in enumerate(per_rank):
-        _judge_collectives(rank, outcome["events"], groups, case, dp, tp, what)
+        _judge_collectives(rank, outcome["events"], groups, case, dp, tp, what, outcome.get("ddp_modules", 0))
     by_dp = {}
     for rank, outcome in enumerate(per_rank):
         result = outcome["result"]
@@ -157,7 +182,7 @@ def _training_hint(case, rank, name, actual, tp, index, dp) -> str:
     return ""
 
 
-def _judge_collectives(rank, events, groups, case, dp, tp, what) -> None:
+def _judge_collectives(rank, events, groups, case, dp, tp, what, ddp_modules: int = 0) -> None:
     mine = {name: next(g for g in grp if rank in g) for name, grp in groups.items()}
     rows = len(case["batches"][0][0]) // dp
     d_in, hidden, width, d_out = case["sizes"]
@@ -188,6 +213,15 @@ def _judge_collectives(rank, events, groups, case, dp, tp, what) -> None:
     piece = len(np.array_split(np.arange(width), tp)[rank % tp])  # this rank's share of the hidden width
     parameter_bytes = 4 * ((d_in + 1) * hidden + (hidden + 1) * piece + piece * d_out + d_out)
     sent = sum(by_group.get(tuple(mine["dp"]), []))
+    if not sent and ddp_modules:
+        raise CheckFailed(f"{what}: rank {rank} averaged its gradients with torch's DistributedDataParallel, whose "
+                          "all-reduces run inside torch's C++ reducer, where the grader's record of your collectives "
+                          "cannot see them (nor check their group). The exercise asks for the average written out: "
+                          "after backward(), dist.all_reduce each gradient on the rank's DP group, then divide by dp")
+    if not sent:
+        raise CheckFailed(f"{what}: rank {rank} issued no all-reduce on its DP group {mine['dp']} that the grader "
+                          "recorded: after backward(), dist.all_reduce each gradient on the DP group (a dist.new_group "
+                          "of its parallel_groups), then divide by dp")
     expect(sent == STEPS * parameter_bytes,
            f"{what}: rank {rank}'s DP all-reduces carried {sent} bytes over {STEPS} steps; averaging its gradients "
            f"takes {parameter_bytes} bytes per step (its pieces of every parameter)")

@@ -545,23 +545,75 @@ def test_dropless_bytes_of_first_choices_only_are_rejected(tmp_notebook):
     assert_fails(result, "first choice only")
 
 
-INTERVIEW_RIGHT = dict(interview_capacity="160", interview_total_parameters_b="46.702792704",
-                       interview_active_parameters_b="12.879925248", interview_gpus_if_ep_multiplies="8192",
-                       interview_expert_copies="2")
+INTERVIEW_CELL = '''
+import math
+
+
+def interview_capacity(num_tokens, num_experts, k, capacity_factor):
+    return {CAPACITY}
+
+
+def interview_total_parameters_b(vocab_size, hidden, n_layers, n_heads, n_kv_heads, expert_hidden, n_experts):
+    kv_width = {KV_WIDTH}
+    block = 2 * hidden * hidden + 2 * hidden * kv_width + hidden * n_experts + 2 * hidden + {EXPERTS}
+    return ({OUTSIDE} + n_layers * block) / {UNIT}
+
+
+def interview_active_parameters_b(vocab_size, hidden, n_layers, n_heads, n_kv_heads, expert_hidden, n_experts, top_k):
+    total = interview_total_parameters_b(vocab_size, hidden, n_layers, n_heads, n_kv_heads, expert_hidden, n_experts)
+    return total - n_layers * (n_experts - {USED}) * 3 * hidden * expert_hidden / 1e9
+
+
+def interview_gpus_if_ep_multiplies(tp, ep, pp, dp):
+    return {GPUS}
+
+
+def interview_expert_copies(dp, ep):
+    return {COPIES}
+'''
+INTERVIEW_RIGHT = dict(CAPACITY="math.ceil(capacity_factor * num_tokens * k / num_experts)",
+                       KV_WIDTH="hidden // n_heads * n_kv_heads", EXPERTS="n_experts * 3 * hidden * expert_hidden",
+                       OUTSIDE="2 * vocab_size * hidden + hidden", UNIT="1e9", USED="top_k", GPUS="tp * ep * pp * dp",
+                       COPIES="dp // ep")
+# the answers to the questions asked, copied from the page: right there, wrong for any other numbers
+COPIED = dict(CAPACITY="160", GPUS="8192", COPIES="2")
 
 
 @pytest.mark.parametrize("changes, feedback", [
     (dict(), None),
-    (dict(interview_capacity="80"), "k is missing"),
-    (dict(interview_total_parameters_b="46.702792704e9"), "answer in billions"),
-    (dict(interview_active_parameters_b=str((12879925248 - 32 * 3 * 4096 * 14336) / 1e9)), "2 experts per block"),
-    (dict(interview_gpus_if_ep_multiplies="1024"), "EP is not a separate factor"),
-    (dict(interview_expert_copies="16"), "each shard lives on 16/8 GPUs"),
-], ids=["right", "capacity-without-k", "total-in-parameters", "active-with-one-expert", "gpus-1024", "copies-16"])
+    (dict(CAPACITY="math.ceil(capacity_factor * num_tokens / num_experts)"), "k is missing"),
+    (dict(CAPACITY="math.ceil(num_tokens * k / num_experts)"), "capacity factor is missing"),
+    (dict(UNIT="1"), "answer in billions"),
+    (dict(EXPERTS="n_experts * 2 * hidden * expert_hidden"), "three matrices"),
+    (dict(KV_WIDTH="hidden"), "grouped-query attention"),
+    (dict(OUTSIDE="vocab_size * hidden + hidden"), "count both"),
+    (dict(USED="1"), "experts per block, not 1"),
+    (dict(USED="n_experts"), "counts every expert"),
+    (dict(GPUS="tp * pp * dp"), "leaves EP out"),
+    (dict(COPIES="dp"), "every data-parallel rank"),
+    (dict(COPIES="ep"), "the EP group size"),
+    (dict(CAPACITY=COPIED["CAPACITY"]), "interview_capacity("),
+    (dict(GPUS=COPIED["GPUS"]), "interview_gpus_if_ep_multiplies("),
+    (dict(COPIES=COPIED["COPIES"]), "interview_expert_copies("),
+], ids=["right", "capacity-without-k", "capacity-without-factor", "total-in-parameters", "two-matrix-experts",
+        "no-grouped-query-attention", "tied-embeddings", "active-with-one-expert", "active-with-every-expert",
+        "gpus-without-ep", "copies-every-dp-rank", "copies-ep", "copied-capacity", "copied-gpus", "copied-copies"])
 def test_interview(tmp_notebook, changes, feedback):
-    answers = "\n".join(f"{name} = {value}" for name, value in {**INTERVIEW_RIGHT, **changes}.items())
-    result = graded(tmp_notebook, "ep.interview", {"interview_capacity": answers})
+    source = INTERVIEW_CELL.format(**{**INTERVIEW_RIGHT, **changes})
+    result = graded(tmp_notebook, "ep.interview", {"interview_capacity": source})
     if feedback is None:
         assert result.status == "passed", result
     else:
         assert_fails(result, feedback)
+
+
+def test_interview_refuses_the_course_parameter_count(tmp_notebook):
+    source = INTERVIEW_CELL.format(**INTERVIEW_RIGHT) + '''
+
+def interview_total_parameters_b(vocab_size, hidden, n_layers, n_heads, n_kv_heads, expert_hidden, n_experts):
+    from dtp import moe
+    config = moe.MoEConfig(vocab_size, hidden, n_layers, n_heads, n_kv_heads, expert_hidden, n_experts)
+    return moe.moe_parameter_counts(config)["total"] / 1e9
+'''
+    result = graded(tmp_notebook, "ep.interview", {"interview_capacity": source})
+    assert result.points == 0 and "course's reference" in result.feedback, result

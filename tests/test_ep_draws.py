@@ -191,3 +191,12 @@ def test_router_names_the_most_probable_expert_of_a_top_1_token_without_a_count(
     weights = np.take_along_axis(moe.softmax(logits), indices, axis=1)
     feedback = rejected("ep.router", [(logits, 1, False)], [(indices, weights)])
     assert "its most probable expert is 2" in feedback and "1 most probable" not in feedback
+
+
+def test_interview_draws_capacities_that_round_and_floor_get_wrong():
+    for seed in SEEDS:
+        questions = prepared("ep.interview", seed)["interview_capacity"]
+        assert questions[0] == (4096, 64, 2, 1.25)  # the question asked comes first
+        for tokens, experts, k, factor in questions[1:]:
+            right = moe.expert_capacity(tokens, experts, k, factor)
+            assert round(factor * tokens * k / experts) != right and int(factor * tokens * k / experts) != right

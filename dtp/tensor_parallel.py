@@ -72,6 +72,17 @@ def layer_training_flops(tokens: int, seq: int, hidden: int, mlp_ratio: int = 4)
     return 6 * tokens * (4 + 2 * mlp_ratio) * hidden**2 + 12 * tokens * seq * hidden
 
 
+def communication_to_compute_ratio(seq: int, hidden: int, t: int, bytes_per_element: int, link_bytes_per_s: float,
+                                   flops_per_s: float, mlp_ratio: int = 4) -> float:
+    """Per layer and GPU, forward and backward: the time to send the ring traffic at a
+    per-direction bandwidth over the time of the GPU's 1/t of the matrix multiplies at a FLOP
+    rate. The tokens cancel: 8(t-1)·h·e·F / (B·((24 + 12r)h² + 12sh))."""
+    tokens = 1  # both times grow with the tokens
+    communication = layer_communication_time_s(tokens, hidden, t, link_bytes_per_s, bytes_per_element)
+    compute = layer_training_flops(tokens, seq, hidden, mlp_ratio) / t / flops_per_s
+    return communication / compute
+
+
 def vocab_parallel_loss_bytes(tokens: int, bytes_per_element: int = 4) -> int:
     """What the vocabulary-parallel cross-entropy all-reduces: the max, the sum of exponentials
     and the target logit, one number per token each."""

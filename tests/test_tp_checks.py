@@ -736,12 +736,15 @@ def ring_traffic_per_gpu_per_layer(tokens, hidden, t, bytes_per_element):
     return {TRAFFIC}
 
 
-def sequence_parallel_saving(seq, batch, hidden, heads, t):
-    return {SAVING}
+def communication_to_compute_ratio(seq, hidden, t, bytes_per_element, link_bytes_per_s, flops_per_s):
+    traffic = {RATIO_TRAFFIC}
+    flops = {RATIO_FLOPS}
+    return (traffic / link_bytes_per_s) / (flops / {RATIO_SHARE} / flops_per_s)
 '''
 COSTS_RIGHT = dict(MESSAGE="tokens * hidden * bytes_per_element",
                    TRAFFIC="4 * 2 * (t - 1) / t * tokens * hidden * bytes_per_element",
-                   SAVING="10 * seq * batch * hidden * (1 - 1 / t)")
+                   RATIO_TRAFFIC="8 * (t - 1) / t * hidden * bytes_per_element",
+                   RATIO_FLOPS="72 * hidden**2 + 12 * seq * hidden", RATIO_SHARE="t")
 
 
 def costs(**changes) -> str:
@@ -750,36 +753,84 @@ def costs(**changes) -> str:
 
 @pytest.mark.parametrize("changes, feedback", [
     (dict(MESSAGE="tokens * hidden"), "multiply by the bytes per element"),
-    (dict(TRAFFIC="2 * 2 * (t - 1) / t * tokens * hidden * bytes_per_element"), "forward pass only"),
-    (dict(TRAFFIC="2 * tokens * hidden * bytes_per_element"), "source notes' 2 per layer"),
-    (dict(SAVING="10 * seq * batch * hidden / t"), "what remains of the 10sbh"),
-    (dict(SAVING="__import__('dtp.tensor_parallel').tensor_parallel.sequence_parallel_saving_bytes(seq, batch, hidden, "
-                 "heads, t)"), "uses the course's reference"),
-], ids=["elements-not-bytes", "forward-only", "two-messages", "10sbh/t", "course-reference"])
+    (dict(TRAFFIC="4 * tokens * hidden * bytes_per_element"), "that counts 4·S"),
+    (dict(RATIO_FLOPS="72 * hidden**2"), "leaves out attention's QKᵀ and AV"),
+    (dict(RATIO_SHARE="1"), "each GPU multiplies 1/t of it"),
+    (dict(RATIO_FLOPS="24 * hidden**2 + 4 * seq * hidden"), "forward pass's compute only"),
+    (dict(MESSAGE="__import__('dtp.tensor_parallel').tensor_parallel.all_reduce_message_bytes(tokens, hidden, "
+                  "bytes_per_element)"), "uses the course's reference"),
+], ids=["elements-not-bytes", "four-messages", "no-attention-flops", "whole-layer-compute", "forward-compute-only",
+        "course-reference"])
 def test_costs_rejects(tmp_notebook, changes, feedback):
     assert_rejected(verdict(tmp_notebook, {"allreduce_message_bytes": costs(**changes)}, "tp.costs"), feedback)
 
 
-def test_costs_accepts_the_memory_formula_written_out(tmp_notebook):
-    saving = ("seq * batch * hidden * (10 + 24 / t + 5 * heads * seq / (hidden * t)) - "
-              "seq * batch * hidden * (34 / t + 5 * heads * seq / (hidden * t))")
-    assert verdict(tmp_notebook, {"allreduce_message_bytes": costs(SAVING=saving)}, "tp.costs").status == "passed"
+@pytest.mark.parametrize("changes", [dict(TRAFFIC="2 * 2 * (t - 1) / t * tokens * hidden * bytes_per_element"),
+                                     dict(TRAFFIC="4 * (t - 1) / t * tokens * hidden * bytes_per_element")],
+                         ids=["forward-only", "no-ring-factor-2"])
+def test_costs_names_both_slips_that_halve_the_traffic(tmp_notebook, changes):
+    # forward only and a ring's missing factor 2 give the same number: the feedback offers both, never one alone
+    result = verdict(tmp_notebook, {"allreduce_message_bytes": costs(**changes)}, "tp.costs")
+    assert_rejected(result, "more than one mistake gives that value")
+    assert "forward pass only" in result.feedback and "one half of the ring" in result.feedback
 
 
-INTERVIEW_RIGHT = ["interview_allreduce_mib = 64", "interview_traffic_per_gpu_mib = 448",
-                   "interview_nvlink_ms = 448 * 2**20 / 450e9 * 1e3", "interview_infiniband_ms = 448 * 2**20 / 50e9 * 1e3"]
+def test_costs_accepts_the_ratio_in_closed_form(tmp_notebook):
+    closed_form = dict(RATIO_TRAFFIC="8 * (t - 1) * hidden * bytes_per_element * flops_per_s",
+                       RATIO_FLOPS="link_bytes_per_s * (72 * hidden**2 + 12 * seq * hidden)", RATIO_SHARE="1")
+    source = costs(**closed_form).replace("return (traffic / link_bytes_per_s) / (flops / 1 / flops_per_s)",
+                                          "return traffic / flops")
+    assert verdict(tmp_notebook, {"allreduce_message_bytes": source}, "tp.costs").status == "passed"
 
 
-@pytest.mark.parametrize("line, feedback", [
-    ("interview_allreduce_mib = 4096 * 8192 * 2 / 1e6", "that is in MB"),
-    ("interview_traffic_per_gpu_mib = 224", "forward pass only"),
-    ("interview_nvlink_ms = 448 * 2**20 / 900e9 * 1e3", "900 GB/s"),
-    ("interview_infiniband_ms = 448 * 2**20 / 400e9 * 1e3", "400 Gb/s = 50 GB/s"),
-], ids=["MB-not-MiB", "forward-only", "bidirectional-nvlink", "gigabits-as-gigabytes"])
-def test_interview_rejects(tmp_notebook, line, feedback):
-    name = line.split(" = ")[0]
-    answers = "\n".join(line if right.startswith(name + " ") else right for right in INTERVIEW_RIGHT)
-    assert_rejected(verdict(tmp_notebook, {"interview_allreduce_mib": answers}, "tp.interview"), feedback)
+INTERVIEW_RIGHT = {
+    "interview_allreduce_mib": "def interview_allreduce_mib(tokens, hidden, bytes_per_element):\n"
+                               "    return tokens * hidden * bytes_per_element / 2**20",
+    "interview_traffic_per_gpu_mib": "def interview_traffic_per_gpu_mib(tokens, hidden, bytes_per_element, t):\n"
+                                     "    return 8 * (t - 1) / t * tokens * hidden * bytes_per_element / 2**20",
+    "interview_nvlink_ms": "def interview_nvlink_ms(traffic_mib, datasheet_gb_per_s):\n"
+                           "    return traffic_mib * 2**20 / (datasheet_gb_per_s * 1e9 / 2) * 1e3",
+    "interview_infiniband_ms": "def interview_infiniband_ms(traffic_mib, gbit_per_s):\n"
+                               "    return traffic_mib * 2**20 / (gbit_per_s * 1e9 / 8) * 1e3",
+}
+
+
+def interview(name: str, body: str) -> str:
+    sources = {**INTERVIEW_RIGHT, name: INTERVIEW_RIGHT[name].split("\n")[0] + "\n    return " + body}
+    return "\n\n\n".join(sources.values())
+
+
+@pytest.mark.parametrize("name, body, feedback", [
+    ("interview_allreduce_mib", "tokens * hidden * bytes_per_element / 1e6", "that is in MB"),
+    ("interview_traffic_per_gpu_mib", "4 * tokens * hidden * bytes_per_element / 2**20", "that counts 4·S"),
+    ("interview_traffic_per_gpu_mib", "4 * (t - 1) / t * tokens * hidden * bytes_per_element / 2**20",
+     "one half of the ring"),
+    ("interview_nvlink_ms", "traffic_mib * 2**20 / (datasheet_gb_per_s * 1e9) * 1e3", "total over both directions"),
+    ("interview_infiniband_ms", "traffic_mib * 2**20 / (gbit_per_s * 1e9) * 1e3", "reads Gb/s as GB/s"),
+    ("interview_infiniband_ms", "traffic_mib * 2**20 / (gbit_per_s * 1e9 / 8)", "in seconds"),
+    ("interview_traffic_per_gpu_mib", "448.0", "interview_traffic_per_gpu_mib("),  # right for the asked numbers only
+], ids=["MB-not-MiB", "four-messages", "no-ring-factor", "bidirectional-nvlink", "gigabits-as-gigabytes", "seconds",
+        "copied-constant"])
+def test_interview_rejects(tmp_notebook, name, body, feedback):
+    result = verdict(tmp_notebook, {"interview_allreduce_mib": interview(name, body)}, "tp.interview")
+    assert_rejected(result, feedback)
+
+
+def test_interview_rejects_an_answer_copied_as_a_number(tmp_notebook):
+    source = "\n\n\n".join(INTERVIEW_RIGHT.values()) + "\n\n\ninterview_traffic_per_gpu_mib = 448"
+    result = verdict(tmp_notebook, {"interview_allreduce_mib": source}, "tp.interview")
+    assert result.status != "passed" and result.points == 0, result
+
+
+def test_interview_refuses_the_course_functions(tmp_notebook):
+    body = "__import__('dtp.tensor_parallel').tensor_parallel.all_reduce_message_bytes(tokens, hidden, bytes_per_element) / 2**20"
+    result = verdict(tmp_notebook, {"interview_allreduce_mib": interview("interview_allreduce_mib", body)}, "tp.interview")
+    assert_rejected(result, "uses the course's reference")
+
+
+def test_interview_accepts_the_right_functions(tmp_notebook):
+    source = "\n\n\n".join(INTERVIEW_RIGHT.values())
+    assert verdict(tmp_notebook, {"interview_allreduce_mib": source}, "tp.interview").status == "passed"
 
 
 # --- bad input: a broken rank costs only its exercise ---

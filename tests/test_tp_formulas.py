@@ -223,3 +223,16 @@ def test_link_figures_keep_directions_and_bits_apart():
     traffic = tp.ring_bytes_per_gpu_per_layer(4096, 8192, 8, 2)
     assert traffic == 448 * 2**20  # the source notes' example: 4 all-reduces of 64 MiB, 7/4 of each sent
     assert tp.layer_communication_time_s(4096, 8192, 8, 50e9) == pytest.approx(traffic / 50e9)
+
+
+def test_communication_to_compute_ratio_is_the_two_times_of_a_layer():
+    """The ratio the costs exercise asks for: the link time of the layer's ring traffic over the
+    GPU's 1/t of the layer's FLOPs (counted by FlopCounterMode above), whatever the tokens."""
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        seq, hidden, t = int(rng.integers(1, 8193)), int(rng.integers(1, 200)) * 64, int(rng.integers(2, 17))
+        element, link, flops = int(rng.choice([2, 4])), float(rng.uniform(1e10, 1e12)), float(rng.uniform(1e13, 1e15))
+        tokens = int(rng.integers(1, 100)) * seq
+        communication = tp.layer_communication_time_s(tokens, hidden, t, link, element)
+        compute = tp.layer_training_flops(tokens, seq, hidden) / t / flops
+        assert tp.communication_to_compute_ratio(seq, hidden, t, element, link, flops) == pytest.approx(communication / compute)

@@ -148,19 +148,57 @@ def test_training_time(tmp_notebook, changes, feedback):
         assert result.status == "failed" and feedback in result.feedback, result
 
 
-INTERVIEW_RIGHT = dict(tb="70e9 * 16 / 1e12", largest="81920 * 2**20 / 16", days="22.8")
+INTERVIEW = """
+def interview_model_states_tb(n_params):
+    return {TB}
+
+
+def interview_largest_model(gpu_memory_mib):
+    return {LARGEST}
+
+
+def interview_training_days(n_params, n_tokens, n_gpus, peak_flops_per_gpu, mfu):
+    return {DAYS}
+"""
+INTERVIEW_RIGHT = dict(TB="n_params * 16 / 1e12", LARGEST="gpu_memory_mib * 2**20 / 16",
+                       DAYS="6 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu * mfu) / 86400")
+
+
+def graded_interview(tmp_notebook, **changes):
+    source = INTERVIEW.format(**{**INTERVIEW_RIGHT, **changes})
+    return grade(tmp_notebook("memory", {"interview_model_states_tb": source}), "memory.interview")["memory.interview"]
 
 
 @pytest.mark.parametrize("changes, feedback", [
-    (dict(tb="70e9 * 16 / 2**40"), "that is in TiB"),
-    (dict(largest="81920 * 2**20 / 20"), "interview_largest_model_on_a100_80gb"),
-    (dict(largest="80e9 / 16"), "takes 80GB as 80·10⁹ bytes"),
-    (dict(largest="81920 * 2**20 / 16 / 1e9"), "in billions"),
-    (dict(days="22.8 / 3"), "interview_gpt3_days"),
-], ids=["tib-for-tb", "20-bytes", "gb-for-gib", "billions", "2N-days"])
-def test_interview_rejects(tmp_notebook, changes, feedback):
-    values = {**INTERVIEW_RIGHT, **changes}
-    answers = (f"interview_70b_model_states_tb = {values['tb']}\ninterview_largest_model_on_a100_80gb = "
-               f"{values['largest']}\ninterview_gpt3_days = {values['days']}")
-    result = grade(tmp_notebook("memory", {"interview_70b_model_states_tb": answers}), "memory.interview")["memory.interview"]
-    assert result.status == "failed" and feedback in result.feedback, result
+    (dict(), None),
+    (dict(LARGEST="int(gpu_memory_mib * 2**20 // 16)"), None),
+    (dict(TB="n_params * 16 / 2**40"), "that is in TiB"),
+    (dict(TB="n_params * 20 / 1e12"), "interview_model_states_tb("),
+    (dict(LARGEST="gpu_memory_mib * 1e6 / 16"), "takes a MiB as 10⁶ bytes"),
+    (dict(LARGEST="gpu_memory_mib * 2**20 / 16 / 1e9"), "in billions"),
+    (dict(LARGEST="gpu_memory_mib * 2**20 / 20"), "interview_largest_model("),
+    (dict(DAYS="2 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu * mfu) / 86400"), "not 2N"),
+    (dict(DAYS="6 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu * mfu)"), "in seconds"),
+], ids=["right", "right-as-int", "tib-for-tb", "20-bytes", "mib-as-10-6", "billions", "20-bytes-largest", "2N-days",
+        "seconds"])
+def test_interview(tmp_notebook, changes, feedback):
+    result = graded_interview(tmp_notebook, **changes)
+    if feedback is None:
+        assert result.status == "passed", result
+    else:
+        assert result.status == "failed" and feedback in result.feedback, result
+
+
+@pytest.mark.parametrize("changes", [
+    dict(TB="1.12"), dict(LARGEST="5368709120.0"), dict(DAYS="22.822975093482906"),
+], ids=["tb", "largest", "days"])
+def test_interview_refuses_the_asked_answer_copied_as_a_constant(tmp_notebook, changes):
+    """A number copied from the page answers the question asked, never the drawn ones."""
+    result = graded_interview(tmp_notebook, **changes)
+    assert result.status == "failed", result
+
+
+def test_interview_refuses_the_courses_functions(tmp_notebook):
+    result = graded_interview(tmp_notebook, TB='__import__("dtp.memory").memory.model_state_memory(n_params, '
+                                               '"mixed_adam", "TB")')
+    assert result.status == "failed" and "uses the course's reference" in result.feedback, result

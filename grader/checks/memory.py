@@ -12,7 +12,7 @@ from dtp.gpt import GPTConfig, build_on_meta, count_parameters
 
 from ..compare import CheckFailed, expect_answer
 from ..registry import Check, exercise
-from .common import FixedAnswers, FormulaCheck, describe_call
+from .common import FormulaCheck, InterviewQuestions, describe_call
 
 
 def _random_configs(rng, count: int = 8) -> list[GPTConfig]:
@@ -202,24 +202,47 @@ class TrainingTime(Check):
         return "training_days (6N per token), mfu (6N + 12·L·h·s) and hfu (8N + 16·L·h·s) match on random inputs"
 
 
-INTERVIEW_ANSWERS = ("interview_70b_model_states_tb", "interview_largest_model_on_a100_80gb", "interview_gpt3_days")
-
-
 @exercise("memory.interview", points=2)
-class Interview(FixedAnswers):
-    """Verifies: three fixed interview answers. Fakes: a fixed question, so a copied number
-    passes; it is worth two points for that reason."""
+class Interview(InterviewQuestions):
+    """Verifies: three interview answers as functions of the question's numbers (TB of mixed-Adam
+    model states, the largest model whose states fit a GPU of so many MiB, the days a training
+    run takes with 6N FLOPs per token), on the questions the notebook asks (70B parameters, the
+    A100 80GB's 81920 MiB, GPT-3's 175B parameters on 300B tokens) and on random ones.
+    Fakes: a number copied from the page answers the asked question only, not the drawn ones;
+    dtp.memory's functions trip."""
 
-    reads = INTERVIEW_ANSWERS
+    reads = ("interview_model_states_tb", "interview_largest_model", "interview_training_days")
+    references = ("dtp.memory.model_state_memory", "dtp.memory.bytes_per_parameter",
+                  "dtp.memory.largest_trainable_model", "dtp.memory.training_time_s", "dtp.memory.training_flops")
+    asked = {"interview_model_states_tb": (70e9,),
+             "interview_largest_model": (memory.GPU_MEMORY_MIB["A100 80GB"],),
+             "interview_training_days": (175e9, 300e9, 1024, 312e12, 0.5)}
+    rel = 1e-9
+    summary = "all three interview answers are right for the questions asked and for random numbers"
 
-    def judge(self, inputs, answers) -> str:
-        tb, largest, days = answers
-        expect_answer(tb, memory.model_state_memory(70e9, "mixed_adam", "TB"), "interview_70b_model_states_tb",
-                      rel=1e-3, slips={"that is in TiB; 1 TB = 10^12 bytes": memory.model_state_memory(70e9, "mixed_adam", "TiB")})
-        right = memory.largest_trainable_model(memory.A100_80GB_BYTES, "mixed_adam")
-        expect_answer(largest, right, "interview_largest_model_on_a100_80gb (parameters)", rel=1e-3, slips={
-            "that takes 80GB as 80·10⁹ bytes; the A100 80GB holds 81920 MiB = 80·2³⁰ bytes": 80e9 / 16,
-            "that is in billions; give the number of parameters": right / 1e9})
-        expect_answer(days, memory.training_time_s(175e9, 300e9, 1024, 312e12, 0.5) / 86400, "interview_gpt3_days",
-                      rel=1e-2)
-        return "all three interview answers are right"
+    def drawn(self, name, rng):
+        if name == "interview_model_states_tb":
+            return (float(rng.integers(1, 5000)) * 1e8,)
+        if name == "interview_largest_model":
+            return (int(rng.integers(8, 200)) * 1024 - int(rng.integers(0, 1000)),)
+        return (float(rng.integers(1, 5000)) * 1e8, float(rng.integers(1, 200)) * 1e10, int(rng.integers(8, 16385)),
+                float(rng.integers(50, 2000)) * 1e12, float(rng.integers(20, 65)) / 100)
+
+    def expected(self, name, *args):
+        if name == "interview_model_states_tb":
+            return memory.model_state_memory(args[0], "mixed_adam", "TB")
+        if name == "interview_largest_model":
+            return memory.largest_trainable_model(args[0] * 2**20, "mixed_adam")
+        return memory.training_time_s(*args) / 86400
+
+    def slips(self, name, *args):
+        if name == "interview_model_states_tb":
+            return {"that is in TiB; 1 TB = 10¹² bytes": memory.model_state_memory(args[0], "mixed_adam", "TiB")}
+        if name == "interview_largest_model":
+            right = self.expected(name, *args)
+            return {"that takes a MiB as 10⁶ bytes; nvidia-smi's MiB are 2²⁰ bytes":
+                        memory.largest_trainable_model(args[0] * 1e6, "mixed_adam"),
+                    "that is in billions; give the number of parameters": right / 1e9}
+        days = memory.training_time_s(*args) / 86400
+        return {"training costs 6N FLOPs per token (2N forward, 4N backward), not 2N": days / 3,
+                "that is in seconds; answer in days": days * 86400}

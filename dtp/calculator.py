@@ -55,11 +55,23 @@ def peak_memory_per_gpu(config: GPTConfig, recipe: str, layout: Layout) -> tuple
     return worst, stages[worst]
 
 
-PRESETS = {
+def _preset_name(shape: str, sizes: dict) -> str:
+    """A preset named by the parameter count the calculator computes for it (this library's GPT
+    layout: a 4h MLP, biases, tied embeddings), so that its label never promises another size."""
+    count = memory.gpt_parameter_count(GPTConfig(vocab_size=sizes["vocab"], n_positions=sizes["seq"],
+                                                 n_layers=sizes["layers"], hidden=sizes["hidden"], n_heads=sizes["heads"]))
+    size = f"{count / 1e6:.0f}M" if count < 1e9 else f"{count / 1e9:.3g}B"
+    return f"{shape} ({size} parameters)"
+
+
+_SHAPES = {
     "GPT-2 small": dict(layers=12, hidden=768, heads=12, seq=1024, vocab=50257),
     "GPT-3 175B": dict(layers=96, hidden=12288, heads=96, seq=2048, vocab=50257),
-    "a 70B model (80 layers, h = 8192)": dict(layers=80, hidden=8192, heads=64, seq=4096, vocab=32000),
+    # Llama's 70B shape with a GPT MLP of 4h (no SwiGLU, no grouped-query attention) is a 65B model.
+    "80 layers, h = 8192, 4h MLP": dict(layers=80, hidden=8192, heads=64, seq=4096, vocab=32000),
 }
+PRESETS = {_preset_name(shape, sizes): sizes for shape, sizes in _SHAPES.items()}
+DEFAULT_PRESET = _preset_name("GPT-3 175B", _SHAPES["GPT-3 175B"])
 
 
 def static_calculator_html(static_path: str = "../_static") -> str:
@@ -85,10 +97,12 @@ def static_calculator_html(static_path: str = "../_static") -> str:
                         for value, text in options)
         return f'<label>{label} <select name="{name}">{items}</select></label>'
 
-    default = PRESETS["GPT-3 175B"]
+    default = PRESETS[DEFAULT_PRESET]
     rows = "".join(f'<tr><th scope="row">{component}</th><td data-stage="first" data-component="{component}"></td>'
                    f'<td data-stage="last" data-component="{component}"></td></tr>'
                    for component in (*zero.COMPONENTS, "activations", "logits"))
+    legend = " ".join(f'<span><i class="calculator-bar-{"-".join(component.split())}"></i>{component}</span>'
+                      for component in (*zero.COMPONENTS, "activations", "logits"))
     return f"""
 <div class="course-memory-calculator">
 <script>window.COURSE_MEMORY_CONSTANTS = {json.dumps(constants)};</script>
@@ -119,6 +133,7 @@ def static_calculator_html(static_path: str = "../_static") -> str:
 <td data-stage="last" data-output="fits"></td></tr></tbody></table>
 <div class="calculator-bars"><div>first stage</div><div class="calculator-bar" data-stage="first" data-output="bar"></div>
 <div>last stage</div><div class="calculator-bar" data-stage="last" data-output="bar"></div></div>
+<p class="calculator-legend">{legend} <span><i class="calculator-capacity-key"></i>the GPU's memory</span></p>
 <script src="{static_path}/calculators/memory.js"></script>
 </div>
 """

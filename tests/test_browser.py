@@ -62,8 +62,8 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
 class PageVisit:
     """A page opened with every request outside `allowed_prefix` blocked and recorded."""
 
-    def __init__(self, browser, url: str, allowed_prefix: str):
-        self.context = browser.new_context(viewport={"width": 1280, "height": 900})
+    def __init__(self, browser, url: str, allowed_prefix: str, width: int = 1280):
+        self.context = browser.new_context(viewport={"width": width, "height": 900})
         self.page = self.context.new_page()
         self.console_errors: list[str] = []
         self.outside_requests: list[str] = []
@@ -154,12 +154,38 @@ def test_page_from_a_static_server(browser, static_server, page_path):
         visit.close()
 
 
-def test_search_works_offline(browser, static_server):
-    visit = PageVisit(browser, f"{static_server}/search.html?q=all-reduce", static_server)
+@pytest.mark.parametrize("served", ["file", "http"])
+def test_search_shows_readable_snippets_offline(browser, static_server, served):
+    """Search from file:// and over http: results with a snippet of the page's text around the term,
+    highlighted, with formulas readable (no TeX delimiters) and no page-header debris; no request
+    refused (Sphinx's own snippets fetch each page, which file:// refuses with a CORS error)."""
+    root = HTML.as_uri() if served == "file" else static_server
+    visit = PageVisit(browser, f"{root}/search.html?q=all-reduce", "file://" if served == "file" else static_server)
     try:
-        visit.page.wait_for_selector("#search-results li, .search li", timeout=15000)
-        assert visit.outside_requests == []
-        assert visit.page.locator(".search li").count() > 0
+        page = visit.page
+        page.wait_for_selector("ul.search li p.context", timeout=15000)
+        assert visit.outside_requests == [] and visit.console_errors == [], visit.console_errors[:3]
+        snippets = page.eval_on_selector_all("ul.search li p.context", "nodes => nodes.map(n => n.textContent)")
+        assert len(snippets) == page.locator("ul.search > li").count() > 0
+        assert all("reduce" in snippet.lower() for snippet in snippets), snippets[:3]
+        assert not [snippet for snippet in snippets if re.search(r"\\\(|\\\[|\$\$|\\frac|\.pdf", snippet)], snippets
+        assert page.locator("ul.search li p.context span.highlighted").count() >= len(snippets)
+    finally:
+        visit.close()
+
+
+@pytest.mark.parametrize("page_path", PAGES)
+def test_nothing_scrolls_sideways_on_a_phone(browser, page_path):
+    """At 390 px (a phone), no page is wider than the screen: long headings and inline code wrap,
+    wide content scrolls inside its own box; the pipeline explorer's labels stay readable."""
+    visit = PageVisit(browser, (HTML / page_path).as_uri(), "file://", width=390)
+    try:
+        page = visit.page
+        overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+        assert overflow <= 1, f"{page_path} scrolls {overflow} px sideways at 390 px"
+        smallest = page.evaluate("""Math.min(...[...document.querySelectorAll('.course-pipeline-explorer svg text')]
+                                    .map(t => t.getBoundingClientRect().height).filter(h => h > 0), 99)""")
+        assert smallest >= 8, f"{page_path}: the pipeline explorer's text is {smallest:.1f} px high"
     finally:
         visit.close()
 
@@ -184,10 +210,11 @@ def test_the_static_memory_calculator_agrees_with_the_course_library(browser):
         assert calculator.count() == 1, "the memory page has no static calculator"
         for _ in range(12):
             heads = int(rng.choice([8, 16, 32, 64, 96]))
-            values = dict(layers=int(rng.integers(2, 120)), hidden=heads * int(rng.choice([64, 128])), heads=heads,
+            stages = int(rng.choice([1, 2, 4, 8]))
+            values = dict(layers=int(rng.integers(stages, 120)), hidden=heads * int(rng.choice([64, 128])), heads=heads,
                           seq=int(rng.choice([512, 1024, 2048, 4096, 8192])), vocab=int(rng.integers(1000, 256000)),
                           micro_batch=int(rng.integers(1, 9)), tp=int(rng.choice([1, 2, 4, 8])),
-                          pp=int(rng.choice([1, 2, 4, 8])), dp=int(rng.choice([1, 2, 8, 64, 1024])))
+                          pp=stages, dp=int(rng.choice([1, 2, 8, 64, 1024])))
             recipe, stage = str(rng.choice(list(memory.RECIPES))), int(rng.integers(0, 4))
             recompute, sp = str(rng.choice(list(memory.RECOMPUTE))), bool(rng.integers(0, 2))
             for name, value in values.items():
@@ -208,6 +235,53 @@ def test_the_static_memory_calculator_agrees_with_the_course_library(browser):
                     assert float(cell.get_attribute("data-bytes")) == pytest.approx(value, rel=1e-12, abs=1e-6), \
                         (component, pipeline_stage, values, recipe, stage, recompute, sp)
         assert visit.console_errors == [] and visit.outside_requests == []
+    finally:
+        visit.close()
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("dp", "", "data parallel N_d must be a whole number"), ("dp", "0", "data parallel N_d must be a whole number"),
+    ("layers", "2.5", "layers L must be a whole number"), ("tp", "-4", "tensor parallel t must be a whole number"),
+    ("tp", "5", "t must divide a"), ("pp", "200", "more pipeline stages than layers")])
+def test_the_static_memory_calculator_names_bad_input_and_computes_nothing(browser, field, value, problem):
+    visit = PageVisit(browser, _memory_page().as_uri(), "file://")
+    try:
+        calculator = visit.page.locator(".course-memory-calculator")
+        calculator.locator(f"input[name={field}]").fill(value)
+        assert problem in calculator.locator(".calculator-problems").inner_text()
+        shown = calculator.locator("table").inner_text()
+        assert "Infinity" not in shown and "NaN" not in shown and "fits" not in shown and "needs" not in shown, shown
+        calculator.locator("input[name=dp]").fill("16")  # fixing the input brings the numbers back
+        calculator.locator("input[name=tp]").fill("8")
+        calculator.locator("input[name=pp]").fill("8")
+        calculator.locator("input[name=layers]").fill("96")
+        assert calculator.locator(".calculator-problems").inner_text().strip() == ""
+        assert "fits" in calculator.locator("table").inner_text() or "needs" in calculator.locator("table").inner_text()
+        assert visit.console_errors == []
+    finally:
+        visit.close()
+
+
+def test_the_memory_calculator_presets_are_named_by_their_parameter_count(browser):
+    """Each preset's label states the parameter count the calculator then shows (a "70B" label on a
+    64.7B shape misled readers), and the bars have a legend for every colour."""
+    from dtp.calculator import PRESETS
+
+    visit = PageVisit(browser, _memory_page().as_uri(), "file://")
+    try:
+        calculator = visit.page.locator(".course-memory-calculator")
+        for field in ("tp", "pp"):  # a layout every preset admits (t divides the heads, p <= L)
+            calculator.locator(f"input[name={field}]").fill("1")
+        for name in PRESETS:
+            calculator.locator("select[name=preset]").select_option(name)
+            shown = float(calculator.locator("[data-output=parameters]").get_attribute("data-value"))
+            label = re.search(r"\(([0-9.]+)([MB]) parameters\)", name)
+            assert label, name
+            assert shown == pytest.approx(float(label.group(1)) * (1e6 if label.group(2) == "M" else 1e9), rel=0.005), name
+        colours = calculator.locator(".calculator-bar span").evaluate_all(
+            "spans => [...new Set(spans.map(s => s.className).filter(c => c.startsWith('calculator-bar-')))]")
+        keyed = calculator.locator(".calculator-legend i").evaluate_all("keys => keys.map(k => k.className)")
+        assert colours and set(colours) <= set(keyed), (colours, keyed)
     finally:
         visit.close()
 

@@ -3,13 +3,108 @@
 - Thebe (running code cells on a remote Binder kernel) needs the network and is not used here;
   Jupyter Book still adds its loader, twice, which logs a console error on every page. Its
   scripts are dropped.
-- The course's stylesheet is added (tables scroll inside the text column).
+- The course's stylesheet is added (tables scroll inside the text column, nothing scrolls
+  sideways on a phone).
+- Search results get their snippets from the book itself. Sphinx's search page fetches each
+  result's HTML to cut a snippet from it: a browser refuses that on file:// (titles only, and a
+  CORS error per result), and over http the snippet shows the page's raw TeX and its header
+  buttons. Instead, the text of every page is written at build time, math made readable, into
+  `_static/course_search_text.js`, which `course_search.js` loads on the search page only (a
+  script, unlike a fetch, loads from file://). Sphinx's own fetch is switched off in
+  _config.yml (`html_show_search_summary: false`).
 """
 from __future__ import annotations
 
+import html.parser
+import json
+import re
 from pathlib import Path
 
 STATIC = Path(__file__).resolve().parent.parent / "_static"
+SEARCH_TEXT_FILE = "course_search_text.js"
+
+# TeX commands the book's formulas use, as the characters a reader sees.
+_TEX_SYMBOLS = {
+    "cdot": "·", "times": "×", "le": "≤", "leq": "≤", "ge": "≥", "geq": "≥", "approx": "≈", "neq": "≠",
+    "alpha": "α", "beta": "β", "gamma": "γ", "Psi": "Ψ", "psi": "ψ", "Phi": "Φ", "phi": "φ", "sigma": "σ",
+    "mu": "μ", "lambda": "λ", "theta": "θ", "sum": "Σ", "infty": "∞", "to": "→", "rightarrow": "→",
+    "lceil": "⌈", "rceil": "⌉", "lfloor": "⌊", "rfloor": "⌋", "ldots": "…", "dots": "…", "in": "∈",
+}
+
+# Commands a reader sees as words; any other command (\underbrace, \mathcal, ...) only shapes the
+# formula and is dropped.
+_TEX_WORDS = {"log", "ln", "exp", "max", "min", "sqrt", "sin", "cos", "lim", "mod", "arg", "softmax"}
+
+
+def readable_tex(tex: str) -> str:
+    """A formula's TeX as plain text a reader can follow in a search snippet: (S/n) rather than
+    \\(S/n\\), (a)/(b) for fractions, symbols as characters, no braces or spacing commands."""
+    tex = re.sub(r"^\s*(\\\(|\\\[|\$\$?)|(\\\)|\\\]|\$\$?)\s*$", "", tex.strip())
+    for _ in range(3):  # nested fractions, innermost first
+        tex = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", tex)
+    tex = re.sub(r"\\(?:text|mathrm|mathbf|operatorname|textrm|mathit)\{([^{}]*)\}", r"\1", tex)
+    tex = re.sub(r"\\(left|right|big|Big|bigg|Bigg)\b", "", tex)
+    tex = re.sub(r"\\[,;:! ]|~", " ", tex)
+    tex = re.sub(r"\\([A-Za-z]+)", lambda m: _TEX_SYMBOLS.get(m.group(1), m.group(1) if m.group(1) in _TEX_WORDS else ""), tex)
+    tex = tex.replace("{", "").replace("}", "").replace("&", " ").replace("\\\\", " ")
+    return re.sub(r"\s+", " ", tex).strip()
+
+
+class _PageText(html.parser.HTMLParser):
+    """The text a reader sees in a page body: no scripts, styles or permalink markers; formulas
+    through `readable_tex`."""
+
+    _SKIPPED = {"script", "style"}
+    _BLOCKS = {"p", "div", "li", "ul", "ol", "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6", "td", "th", "tr",
+               "table", "section", "pre", "blockquote", "figure", "figcaption", "br", "hr"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self._skip_depth = 0  # inside a skipped element
+        self._math_depth = 0  # inside a formula: its TeX is collected whole
+        self._math: list[str] = []
+        self._stack: list[tuple[str, bool, bool]] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag in self._BLOCKS:
+            self.parts.append(" ")
+        if tag in ("br", "img", "hr", "input", "meta", "link", "wbr"):
+            return
+        classes = (dict(attrs).get("class") or "").split()
+        skip = tag in self._SKIPPED or "headerlink" in classes
+        math = "math" in classes and not self._math_depth
+        self._stack.append((tag, skip, math))
+        self._skip_depth += skip
+        self._math_depth += math
+
+    def handle_endtag(self, tag):
+        if tag in self._BLOCKS:
+            self.parts.append(" ")
+        while self._stack:
+            opened, skip, math = self._stack.pop()
+            self._skip_depth -= skip
+            if math:
+                self._math_depth -= 1
+                self.parts.append(" " + readable_tex("".join(self._math)) + " ")
+                self._math = []
+            if opened == tag:
+                break
+
+    def handle_data(self, data):
+        if self._skip_depth:
+            return
+        (self._math if self._math_depth else self.parts).append(data)
+
+    def text(self) -> str:
+        return re.sub(r"\s+", " ", "".join(self.parts)).strip()
+
+
+def page_text(body_html: str) -> str:
+    parser = _PageText()
+    parser.feed(body_html)
+    parser.close()
+    return parser.text()
 
 
 def _drop_thebe(app, pagename, templatename, context, doctree):
@@ -24,8 +119,35 @@ def _drop_thebe(app, pagename, templatename, context, doctree):
         context["css_files"] = [css for css in context["css_files"] if "thebe" not in (getattr(css, "filename", "") or "")]
 
 
+def _text_store(app) -> Path:
+    # Beside Sphinx's own record of the pages, so that a rebuild that writes only the changed pages
+    # still has every page's text (and dropping that record drops these too).
+    return Path(app.doctreedir) / "course_search_text"
+
+
+def _remember_text(app, pagename, templatename, context, doctree):
+    if doctree is not None and context.get("body"):
+        path = _text_store(app) / f"{pagename}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(page_text(context["body"]), encoding="utf-8")
+
+
+def _write_search_text(app, exception):
+    if exception is not None or app.builder.format != "html":
+        return
+    store = _text_store(app)
+    texts = {name: (store / f"{name}.txt").read_text(encoding="utf-8")
+             for name in sorted(app.env.found_docs) if (store / f"{name}.txt").exists()}
+    target = Path(app.outdir) / "_static" / SEARCH_TEXT_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("window.COURSE_SEARCH_TEXT = " + json.dumps(texts, ensure_ascii=False) + ";\n", encoding="utf-8")
+
+
 def setup(app):
     app.config.html_static_path.append(str(STATIC))
     app.add_css_file("course.css")
+    app.add_js_file("course_search.js")
     app.connect("html-page-context", _drop_thebe, priority=900)
+    app.connect("html-page-context", _remember_text)
+    app.connect("build-finished", _write_search_text)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -43,28 +43,60 @@
     return result;
   }
 
+  const NUMBER_FIELDS = { layers: "layers L", hidden: "hidden h", heads: "heads a", seq: "sequence s",
+                          vocab: "vocabulary V", micro_batch: "micro-batch b", tp: "tensor parallel t",
+                          pp: "pipeline parallel p", dp: "data parallel N_d" };
+
   function read(form) {
+    // Every size must be a whole number of at least 1: an empty box, 0 or 2.5 is named, not
+    // turned into Infinity or NaN further down.
+    const invalid = [];
+    const number = (name) => {
+      const text = form.elements[name].value.trim(), value = Number(text);
+      if (text === "" || !Number.isInteger(value) || value < 1) invalid.push(`${NUMBER_FIELDS[name]} must be a whole number of at least 1`);
+      return value;
+    };
     const value = (name) => form.elements[name].value;
-    const number = (name) => Number(value(name));
     return {
       model: { layers: number("layers"), hidden: number("hidden"), heads: number("heads"), seq: number("seq"),
                vocab: number("vocab"), mlpRatio: 4, recipe: value("recipe") },
-      layout: { tp: number("tp"), pp: number("pp"), dp: number("dp"), zero: number("zero"),
+      layout: { tp: number("tp"), pp: number("pp"), dp: number("dp"), zero: Number(value("zero")),
                 sp: form.elements["sp"].checked, recompute: value("recompute"), microBatch: number("micro_batch") },
       gpu: value("gpu"),
+      invalid,
     };
+  }
+
+  function layoutProblems(model, layout) {
+    const problems = [];
+    if (model.hidden % model.heads !== 0) problems.push("the hidden size must be a multiple of the heads");
+    if (model.heads % layout.tp !== 0) problems.push("tensor parallelism splits the heads: t must divide a");
+    if (layout.pp > model.layers) problems.push("more pipeline stages than layers");
+    return problems;
+  }
+
+  function clear(root) {
+    // An input the calculator cannot compute for shows no numbers, rather than wrong ones.
+    root.querySelector("[data-output=parameters]").textContent = "\u2014";
+    delete root.querySelector("[data-output=parameters]").dataset.value;
+    for (const cell of root.querySelectorAll("[data-component], [data-output=fits]")) {
+      cell.textContent = "\u2014";
+      delete cell.dataset.bytes;
+    }
+    for (const bar of root.querySelectorAll("[data-output=bar]")) bar.replaceChildren();
   }
 
   const GB = 1e9;
 
   function render(root) {
     const form = root.querySelector("form");
-    const { model, layout, gpu } = read(form);
-    const problems = [];
-    if (model.hidden % model.heads !== 0) problems.push("the hidden size must be a multiple of the heads");
-    if (model.heads % layout.tp !== 0) problems.push("tensor parallelism splits the heads: t must divide a");
-    if (layout.pp > model.layers) problems.push("more pipeline stages than layers");
+    const { model, layout, gpu, invalid } = read(form);
+    const problems = invalid.length ? invalid : layoutProblems(model, layout);
     root.querySelector(".calculator-problems").textContent = problems.join("; ");
+    if (problems.length) {
+      clear(root);
+      return;
+    }
     const capacity = COURSE.gpus[gpu] * 2 ** 20;
     const parameters = parameterCount(model);
     root.querySelector("[data-output=parameters]").textContent = (parameters / 1e9).toFixed(2) + "B";

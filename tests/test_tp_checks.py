@@ -70,6 +70,14 @@ def test_mlp_numpy_rejects(tmp_notebook, source, feedback):
     assert_rejected(verdict(tmp_notebook, {"tensor_parallel_mlp_numpy": source}, "tp.mlp_numpy"), feedback)
 
 
+def test_mlp_numpy_b2_in_the_partial_sums_never_says_t_1_times(tmp_notebook):
+    # the first case has t = 1, where y comes out right and the sum adds b2 once
+    source = mlp(PARTIAL="gelu_numpy(x @ a + b) @ rows + b2", Y="np.sum(partial_sums, axis=0)")
+    result = verdict(tmp_notebook, {"tensor_parallel_mlp_numpy": source}, "tp.mlp_numpy")
+    assert_rejected(result, "t=1, ")
+    assert "b2 is not part of it" in result.feedback and "t = 1 times" not in result.feedback
+
+
 MLP_SLICES_AND_A_TUPLE = '''
 def tensor_parallel_mlp_numpy(x, w1, b1, w2, b2, t):
     width = w1.shape[1] // t
@@ -237,14 +245,18 @@ COLUMN_WITH_THE_WHOLE_WEIGHT = linears(COLUMN_WEIGHT="dense.weight.detach().clon
 @pytest.mark.parametrize("source, feedback", [
     (linears(ROW_FORWARD="return self.leave(F.linear(x_shard, self.weight, self.bias))"), "holds the bias 2 times"),
     (linears(ROW_FORWARD="return self.leave(F.linear(x_shard, self.weight, self.bias / dist.get_world_size()))"),
-     "it is 1/2 of the dense gradient"),
+     "it is 1/2 of the dense one"),
+    (linears(ROW_FORWARD="rows = x_shard.shape[:-1].numel()  # the bias's gradient averaged over the rows\n"
+                         "        bias = self.bias / rows + (self.bias - self.bias / rows).detach()\n"
+                         "        return self.leave(F.linear(x_shard, self.weight)) + bias"),
+     "the mean over the"),
     (linears(ROW_FORWARD="bias = self.bias if dist.get_rank() == 0 else torch.zeros_like(self.bias)\n"
                          "        return self.leave(F.linear(x_shard, self.weight, bias))"), "after the sum"),
     (linears(COLUMN_INPUT="x"), "passed back only this rank's part of dL/dx"),
     (linears(ROW_DIM="0"), "the matching columns of nn.Linear's weight"),
     (ROW_GATHERS_AND_SUMS, "RowParallelLinear's forward issued 1 all_gather"),
     (COLUMN_WITH_THE_WHOLE_WEIGHT, "is held by 2 ranks"),
-], ids=["bias-on-every-rank", "bias-divided-by-t", "bias-on-rank-0-only", "no-f", "w2-split-by-columns",
+], ids=["bias-on-every-rank", "bias-divided-by-t", "bias-gradient-averaged-over-rows", "bias-on-rank-0-only", "no-f", "w2-split-by-columns",
         "all-gather-and-local-sum", "whole-weight-on-every-rank"])
 def test_parallel_linear_rejects(tmp_notebook, source, feedback):
     assert_rejected(verdict(tmp_notebook, {"ColumnParallelLinear": source}, "tp.parallel_linear"), feedback)
@@ -309,6 +321,24 @@ class RowParallelLinear(nn.Module):
     def forward(self, x_shard):
         return self.inner(x_shard)
 '''
+
+
+def test_a_scaled_gradient_is_diagnosed_only_by_the_causes_that_give_it():
+    import numpy as np
+
+    from grader.checks.tp.shared import scaled_gradient_causes
+    dense = np.random.default_rng(0).standard_normal(5)  # the float64 oracle; a rank's gradient is float32
+
+    def rank_gradient(scale):
+        return (dense * scale).astype(np.float32)
+    ranks, rows = "divided among the 2 ranks", "the mean over the"
+    halved = scaled_gradient_causes(rank_gradient(1 / 2), dense, n=2, rows=6)
+    assert len(halved) == 1 and ranks in halved[0]  # 6 rows cannot give 1/2
+    sixth = scaled_gradient_causes(rank_gradient(1 / 6), dense, n=2, rows=6)
+    assert len(sixth) == 1 and rows in sixth[0]  # and 2 ranks cannot give 1/6
+    both = scaled_gradient_causes(rank_gradient(1 / 2), dense, n=2, rows=2)
+    assert len(both) == 2 and ranks in both[0] and rows in both[1]  # b·s = t: the numbers cannot tell them apart
+    assert scaled_gradient_causes(rank_gradient(0.7), dense, n=2, rows=6) == []
 
 
 SHARDS_BY_CHUNK = '''

@@ -123,7 +123,7 @@ def _judge_block(case, n, per_rank, sequence_parallel: bool, what_block: str) ->
     label = f"{what_block} (world {n}, hidden {case['hidden']}, {case['heads']} heads)"
     located = locate_shards(dense, [o["parameters"] for o in per_rank], BLOCK_SPLIT, label)
     _judge_heads(located, n, case["hidden"], case["heads"], label)
-    judge_gradients(located, grads, BLOCK_SPLIT, n, label)
+    judge_gradients(located, grads, BLOCK_SPLIT, n, label, rows=case["x"].shape[0] * case["x"].shape[1])
     for rank, outcome in enumerate(per_rank):
         want_out, want_grad = out, x_grad
         if sequence_parallel:

@@ -14,7 +14,7 @@ from ...compare import CheckFailed
 from ...registry import Check, exercise
 from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
 from .shared import (DTENSOR_TP, close, matches, held_parameters, leaf, run_backward, expect_collectives,
-                     DenseParameters, judge_shards)
+                     DenseParameters, judge_shards, scaled_gradient_causes)
 
 # --- 3. column- and row-parallel linear layers -------------------------------------------------------
 
@@ -159,9 +159,11 @@ class ParallelLinear(Check):
                     raise CheckFailed(f"{what}: RowParallelLinear's bias got no gradient on this rank; every rank must "
                                       "add the whole bias to the all-reduced output, once, after the sum")
                 if bias and not matches(bias[0]["grad"], row_grads["bias"]):
-                    ratio = float(np.sum(bias[0]["grad"] * row_grads["bias"]) / np.sum(row_grads["bias"] ** 2))
-                    hint = (f"it is 1/{n} of the dense gradient: the bias was divided among the ranks"
-                            if abs(ratio - 1 / n) < 0.05 / n else "the bias must be added by every rank, after the sum")
+                    rows = data["x_row"].shape[0] * data["x_row"].shape[1]
+                    # a diagnosis only where the gradient is that multiple; both when b·s = t makes them coincide
+                    causes = scaled_gradient_causes(bias[0]["grad"], row_grads["bias"], n, rows)
+                    hint = ("it is " + "; or it is ".join(causes)) if causes else \
+                        "the bias must be added by every rank, after the sum"
                     raise CheckFailed(f"{what}: the gradient of RowParallelLinear's bias differs from the dense layer's "
                                       f"({hint}); add the whole bias once to the all-reduced output, on every rank")
             judge_shards(DenseParameters({"weight": data["w_column"], "bias": data["b_column"]}), column_grads,

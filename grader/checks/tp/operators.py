@@ -88,8 +88,11 @@ class MlpNumpy(Check):
                                       "instead gives each rank a slice of the outputs, and needs the whole hidden "
                                       "activation GeLU(x·w1) on every rank (an all-gather of 4h values per token)")
                 if isinstance(mine, np.ndarray) and _matches_f64(mine, expected + b2):
-                    raise CheckFailed(f"{what}: partial_sums[{rank}] includes b2; add b2 once, after the sum, or the "
-                                      f"all-reduce adds it t = {t} times")
+                    # with one rank the sum adds nothing up: say what a partial sum is, not how often b2 is added
+                    consequence = f"or the all-reduce adds it t = {t} times" if t > 1 else \
+                        "a partial sum is what a rank holds before the all-reduce, and b2 is not part of it"
+                    raise CheckFailed(f"{what}: partial_sums[{rank}] includes b2; add b2 once, after the sum, "
+                                      f"{consequence}")
                 expect_close(mine, expected, f"{what}: partial_sums[{rank}], which should be GeLU(x·A_r + b1_r)·B_r "
                              "(A_r: rank r's block of w1's columns, B_r: its block of w2's rows, as np.split cuts them)",
                              rtol=1e-9, atol=1e-9)
@@ -105,7 +108,7 @@ def _matches_f64(actual, expected) -> bool:
 def _diagnose_numpy_mlp(y, case) -> str:
     t, x, w1, b1, w2, b2 = (case[k] for k in ("t", "x", "w1", "b1", "w2", "b2"))
     dense = _gelu(x @ w1 + b1) @ w2 + b2
-    if _matches_f64(y, dense + (t - 1) * b2):
+    if t > 1 and _matches_f64(y, dense + (t - 1) * b2):
         return f": it is b2 too large by (t-1)·b2; each rank added b2 to its partial sum, so the sum holds it t = {t} times"
     if _matches_f64(y, np.maximum(x @ w1 + b1, 0) @ w2 + b2):
         return ": that is a ReLU MLP (np.maximum); this one uses the exact GeLU, x·Φ(x) (gelu_numpy)"

@@ -156,8 +156,25 @@ def locate_shards(dense: DenseParameters, per_rank: list[list[dict]], split: set
     return located
 
 
+def scaled_gradient_causes(grad, expected, n: int, rows: int | None) -> list[str]:
+    """The mistakes that give exactly `grad` for a replicated parameter whose dense gradient is
+    `expected`: summed over n ranks that each held all of it (n times), divided among the ranks
+    (1/n), or averaged over the `rows` tokens instead of summed (1/rows). Several when the
+    numbers coincide (rows = n), none when grad is no such multiple."""
+    causes = []
+    if matches(grad, n * expected):
+        causes.append(f"{n}x the dense one: it was summed over ranks that each already held all of it")
+    if matches(grad, expected / n):
+        causes.append(f"1/{n} of the dense one: the ranks' contributions must be summed, not averaged (or the "
+                      f"parameter was divided among the {n} ranks)")
+    if rows and rows > 1 and matches(grad, expected / rows):
+        causes.append(f"1/{rows} of the dense one: the mean over the {rows} rows (b·s tokens) instead of their sum; a "
+                      "parameter applied to every row receives every row's gradient")
+    return causes
+
+
 def judge_gradients(located: list[tuple], dense_grads: dict[str, np.ndarray], split: set[str], n: int, what: str,
-                    rtol: float = 1e-4) -> None:
+                    rtol: float = 1e-4, rows: int | None = None) -> None:
     """Each located parameter's gradient equals the dense gradient at the same place."""
     for rank, parameter, name, indices in located:
         expected = dense_grads[name].ravel()[indices]
@@ -165,13 +182,10 @@ def judge_gradients(located: list[tuple], dense_grads: dict[str, np.ndarray], sp
         expect(grad is not None, f"{what}: rank {rank}'s `{parameter['name']}` got no gradient: is it used in forward?")
         if name not in split and isinstance(grad, np.ndarray) and grad.shape == expected.shape \
                 and np.abs(expected).max() > 0 and not matches(grad, expected, rtol):
-            ratio = float(np.sum(grad * expected) / np.sum(expected * expected))
-            if abs(ratio - n) < 0.05 * n:
-                raise CheckFailed(f"{what}: rank {rank}'s gradient of the replicated `{name}` is {n}x the dense one: "
-                                  "it was summed over ranks that each already held all of it")
-            if abs(ratio - 1 / n) < 0.05 / n:
-                raise CheckFailed(f"{what}: rank {rank}'s gradient of the replicated `{name}` is 1/{n} of the dense "
-                                  "one: the ranks' contributions must be summed, not averaged")
+            causes = scaled_gradient_causes(grad, expected, n, rows)
+            if causes:
+                raise CheckFailed(f"{what}: rank {rank}'s gradient of the replicated `{name}` is "
+                                  + "; or it is ".join(causes))
         close(grad, expected, f"{what}: rank {rank}'s gradient of `{parameter['name']}` (part of `{name}`)", rtol)
 
 

@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import landlock
 from .notebook import UnusableInput, read_course_notebook
 from .registry import find_exercise
 from .report import format_table, write_json
@@ -120,8 +121,11 @@ def _grade(args) -> int:
             print(f"grader: skipped {reason}", file=sys.stderr)
         if len(reports) > 1:
             print(f"total {sum(r.score for r in reports)}/{sum(r.max_score for r in reports)}")
+        unconfined = landlock.unavailable_reason()
+        if unconfined:
+            print(f"note: {unconfined}")
         if args.json:
-            write_json(reports, args.json)
+            write_json(reports, args.json, unconfined)
     except UnusableInput as exc:
         print(f"grader: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE_INPUT

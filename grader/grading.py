@@ -10,7 +10,7 @@ import numpy as np
 
 from dtp.world import import_lazy_torch_modules
 
-from . import guard
+from . import guard, landlock
 from .compare import CheckFailed
 from .notebook import UnusableInput, extract_definitions, read_course_notebook
 from .registry import Exercise, chapter_exercises
@@ -57,10 +57,12 @@ def collect_in_sandbox(exercise: Exercise, load_student, inputs) -> tuple[str, o
     from dtp.world import WorldError
 
     guard.install(exercise.check.references)
+    # Learner code can find the check object (the stack, gc): leave it only `collect`.
+    guard.seal(exercise.check, inputs, grader_steps=(judge, verdict, grade_exercise, grade_notebook))
     try:
         data = exercise.check.collect(load_student(), inputs)
         if guard.tripped:  # the learner's code caught the trip and went on
-            return "reference", f"calls the course's reference {guard.tripped[0]}"
+            return "reference", guard.tripped[0]
         return "data", plain(data)
     except guard.UsesCourseReference as exc:
         return "reference", str(exc)
@@ -77,7 +79,13 @@ def collect_in_sandbox(exercise: Exercise, load_student, inputs) -> tuple[str, o
     except BaseException as exc:  # noqa: BLE001 - anything the learner's code raises costs only this exercise
         if _out_of_memory(exc):
             return "error", _memory_feedback(exc)
+        if isinstance(exc, PermissionError) and landlock.abi_version():
+            return "error", f"{_short(exc)}{_where_in_notebook(exc)}: {CONFINED}"
         return "error", f"{_short(exc)}{_where_in_notebook(exc)}"
+
+
+CONFINED = ("the grader lets your code, and any process it starts, read only its notebook's folder, Python and "
+            "the course's infrastructure (not the solutions or the course's answers), and write only temporary files")
 
 
 def _out_of_memory(exc: BaseException) -> bool:
@@ -110,6 +118,9 @@ def verdict(exercise: Exercise, inputs, outcome, limit_s: float) -> tuple[str, s
         return "timeout", f"stopped after {limit_s:g}s: an endless loop, or a collective that never completes?"
     if outcome.kind == "unreadable":
         return "error", f"your code's results could not be read back: {outcome.value}"
+    if outcome.kind == "unconfined":
+        return "error", ("the kernel refused the grader's Landlock rules for the sandbox, so your code was not run; "
+                         "grade on a system without Landlock, or report this")
     if outcome.kind != "returned":
         return "error", (f"the process running your code ended abruptly (exit code {outcome.exitcode}): "
                          "os._exit, a crash, or running out of memory")
@@ -124,6 +135,8 @@ def verdict(exercise: Exercise, inputs, outcome, limit_s: float) -> tuple[str, s
 
 def _learner_status(status: str, feedback: str) -> tuple[str, str]:
     """A status reported from the sandbox, which can lower a score but never raise it."""
+    if status == "reference" and feedback.startswith(f"calls {guard.GRADER}"):
+        return "failed", f"reaches into the grader instead of answering: {feedback}"
     if status == "reference":
         return "failed", f"uses the course's reference, not your own code: {feedback}"
     if status in ("missing", "error", "failed", "timeout"):
@@ -136,6 +149,7 @@ def grade_exercise(exercise: Exercise, load_student, timeout_s: float | None = N
     """Grade one exercise; `load_student()` runs in the sandbox and returns StudentCode."""
     limit = timeout_s if timeout_s is not None else exercise.timeout_s
     inputs = exercise.check.prepare(np.random.default_rng())
+    guard.preload(exercise.check)  # the confined sandbox can no longer read these modules' files
     outcome = run_isolated(lambda: collect_in_sandbox(exercise, load_student, inputs), limit, workdir)
     status, feedback = verdict(exercise, inputs, outcome, limit)
     points = exercise.points if status == "passed" else 0
@@ -149,13 +163,15 @@ PRELOADED_PACKAGES = ("dtp", "torch", "numpy", "matplotlib", "ipywidgets", "IPyt
 
 
 def preload_library_imports(definitions) -> None:
-    """Import, here, the libraries the notebook's import statements name; never a module of the
-    learner's own (which would run their code in the grader)."""
+    """Import, here, the libraries the notebook's import statements name, at top level or inside
+    its functions (the confined sandbox cannot read the course's answer modules, so what a
+    function imports must already be loaded); never a module of the learner's own (which would
+    run their code in the grader)."""
     import ast
     import importlib
 
-    for statement in definitions.statements:
-        node = statement.node
+    nodes = [node for statement in definitions.statements for node in ast.walk(statement.node)]
+    for node in nodes:
         names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
             [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
         for name in names:

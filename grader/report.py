@@ -64,10 +64,15 @@ def format_table(report: NotebookReport) -> str:
     return "\n".join(rows)
 
 
-def write_json(reports: list[NotebookReport], path: str) -> None:
-    """Written whole, after every sandbox is gone: replaced in one step, never half-written."""
+def write_json(reports: list[NotebookReport], path: str, unconfined: str | None = None) -> None:
+    """Written whole, after every sandbox is gone: replaced in one step, never half-written.
+    `unconfined` (why learner code ran without Landlock) becomes a top-level "unconfined" key,
+    present only then, beside the contract's "notebooks"."""
     temporary = f"{path}.{os.getpid()}.tmp"
+    document = {"notebooks": [asdict(r) for r in reports]}
+    if unconfined:
+        document["unconfined"] = unconfined
     with open(temporary, "w", encoding="utf-8") as f:
-        json.dump({"notebooks": [asdict(r) for r in reports]}, f, indent=2)
+        json.dump(document, f, indent=2)
         f.write("\n")
     os.replace(temporary, path)

@@ -12,7 +12,10 @@ Three processes take part:
 The sandbox starts a new session (no controlling terminal to write to), gives up every
 capability when it runs as root (so it cannot open the grader's file descriptors through
 /proc), writes its stdout and stderr to /dev/null and its temporary files to a folder the grader
-removes. Its result travels as bytes; the grader reads them with `transport.loads`.
+removes. Before it runs `task()` it confines itself with Landlock (grader/landlock.py) where the
+kernel has it: from then on it, and every process it starts, can read only the system, the
+Python installation, the course's infrastructure and the notebook's folder, and write only its
+scratch folder. Its result travels as bytes; the grader reads them with `transport.loads`.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 
 from dtp.processes import die_with_parent
 
-from . import transport
+from . import landlock, transport
 
 _PR_SET_DUMPABLE, _PR_CAPBSET_DROP = 4, 24
 _PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER = 38, 36
@@ -40,6 +43,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 
 SCRATCH_PREFIX = "dtp-sandbox-"
 _WARDEN_SLACK_S = 15.0  # how long past the time limit the grader waits for its warden's report
+_UNCONFINED_EXIT = 121  # the sandbox's exit status when the kernel refused its Landlock rules
 
 _child_deadline: float | None = None  # set in a sandbox: when the warden will kill it
 
@@ -182,9 +186,16 @@ def _sandbox_main(task, writer, to_grader, scratch_dir: str, workdir: str | None
     torch.set_num_threads(1)
     tempfile.tempdir = scratch_dir
     os.environ["TMPDIR"] = scratch_dir
+    for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # the only folder it may write to
+        os.environ[variable] = os.path.join(scratch_dir, variable.lower())
     if workdir:
         os.chdir(workdir)  # relative paths and imports mean what they mean in the learner's kernel
         sys.path.insert(0, workdir)
+    if landlock.abi_version():
+        try:
+            landlock.confine(landlock.sandbox_rules(workdir or os.getcwd(), scratch_dir))
+        except OSError:
+            os._exit(_UNCONFINED_EXIT)  # never run learner code less confined than the report says
     # The learner's prints must not interleave with the grader's report or a kernel's streams,
     # nor a crash report (pytest's faulthandler writes to a copy of the terminal's descriptor).
     faulthandler.disable()
@@ -259,7 +270,7 @@ def _warden_main(task, to_grader, scratch_dir, workdir, grader_pid, timeout_s) -
 
 @dataclass
 class ChildOutcome:
-    kind: str  # "returned", "timeout" or "crashed"
+    kind: str  # "returned", "timeout", "crashed", "unreadable" or "unconfined"
     value: object = None
     exitcode: int | None = None
 
@@ -301,6 +312,8 @@ def run_isolated(task, timeout_s: float, workdir: str | None = None) -> ChildOut
             return ChildOutcome("timeout")
         if header["kind"] == "oversized":
             return ChildOutcome("unreadable", f"more than {transport.MAX_BYTES >> 20} MiB of data")
+        if header.get("exitcode") == _UNCONFINED_EXIT:
+            return ChildOutcome("unconfined", exitcode=_UNCONFINED_EXIT)
         return ChildOutcome("crashed", exitcode=header.get("exitcode"))
     except (EOFError, OSError, ValueError):
         return ChildOutcome("crashed")

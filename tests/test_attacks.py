@@ -1,4 +1,4 @@
-"""Attempts to score without solving (issue 13): each gets no points, and the grader's own
+"""Attempts to score without solving (issues 13 and 20): each gets no points, and the grader's own
 output, report and processes are unaffected. Wrong answers here are paired with the attack, so
 a pass could only come from the attack working."""
 import json
@@ -6,7 +6,10 @@ import os
 import time
 import uuid
 
+import pytest
+
 from conftest import grade, solution_path
+from grader import landlock
 from test_bad_input import cli, live_processes_with_marker
 
 WRONG_BUS_BANDWIDTH = "def bus_bandwidth(size_bytes, time_s, n):\n    return size_bytes / time_s\n"
@@ -140,3 +143,165 @@ def test_functional_collectives_are_recorded_too(tmp_notebook):
     result = grade(tmp_notebook("dp", {"ring_all_reduce": FUNCTIONAL_ALL_GATHER_RING}),
                    "dp.ring_allreduce_gloo")["dp.ring_allreduce_gloo"]
     assert result.status == "failed" and "called all_gather" in result.feedback, result
+
+
+# --- issue 20: learner code, and every process it starts, cannot reach the answers -----------
+# Each attack is the learner's whole answer: a pass could only come from the attack working.
+
+needs_landlock = pytest.mark.skipif(not landlock.abi_version(), reason="this kernel has no Landlock")
+SOLUTION_FOLDER_GLOB = str(solution_path("dp").parent.parent / "sol*s" / "02_*")  # as the held-out attempt wrote it
+CELL_FROM_NOTEBOOK = (
+    "def _exec_cell_defining(name, text):\n"
+    "    cells = json.loads(text)['cells']\n"
+    "    source = next(''.join(c['source']) for c in cells if f'def {name}(' in ''.join(c['source']))\n"
+    "    namespace = {}\n"
+    "    exec(source, namespace)\n"
+    "    return namespace[name]\n")
+
+
+def _assert_no_points(result, *fragments):
+    assert result.points == 0 and result.status in ("failed", "error"), result
+    assert "\n" not in result.feedback and "Traceback" not in result.feedback
+    for fragment in fragments:
+        assert fragment in result.feedback, result.feedback
+
+
+@needs_landlock
+def test_a_child_python_cannot_import_the_courses_closed_form(tmp_notebook):
+    path = tmp_notebook("dp", {"bus_bandwidth": (
+        "import subprocess, sys\n"
+        "def bus_bandwidth(size_bytes, time_s, n):\n"
+        "    program = f'from dtp.costs import bus_bandwidth; print(bus_bandwidth({size_bytes!r}, {time_s!r}, {n!r}))'\n"
+        "    done = subprocess.run([sys.executable, '-c', program], capture_output=True, text=True, check=True)\n"
+        "    return float(done.stdout)\n")})
+    _assert_no_points(grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"], "CalledProcessError")
+
+
+@needs_landlock
+def test_a_shell_cannot_cat_the_solution_notebook(tmp_notebook):
+    path = tmp_notebook("dp", {"bus_bandwidth": (
+        "import json, subprocess\n" + CELL_FROM_NOTEBOOK +
+        "def bus_bandwidth(size_bytes, time_s, n):\n"
+        f"    text = subprocess.run(['sh', '-c', 'cat {SOLUTION_FOLDER_GLOB}'], capture_output=True, text=True).stdout\n"
+        "    return _exec_cell_defining('bus_bandwidth', text)(size_bytes, time_s, n)\n")})
+    _assert_no_points(grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"], "JSONDecodeError")
+
+
+@needs_landlock
+def test_os_open_with_a_dir_fd_cannot_read_the_solution_notebook(tmp_notebook):
+    """The audit hook sees only the relative name; Landlock checks the file itself."""
+    checkout = str(solution_path("dp").parent.parent)
+    path = tmp_notebook("dp", {"bus_bandwidth": (
+        "import json, os\n" + CELL_FROM_NOTEBOOK +
+        "def bus_bandwidth(size_bytes, time_s, n):\n"
+        f"    folder = os.open({checkout!r}, os.O_RDONLY)\n"
+        f"    fd = os.open('solutions/{solution_path('dp').name}', os.O_RDONLY, dir_fd=folder)\n"
+        "    with os.fdopen(fd) as notebook:\n"
+        "        return _exec_cell_defining('bus_bandwidth', notebook.read())(size_bytes, time_s, n)\n")})
+    _assert_no_points(grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"], "PermissionError", "not the solutions")
+
+
+@needs_landlock
+def test_a_solution_cell_read_by_a_child_python_cannot_be_executed(tmp_notebook):
+    """The child names the folder by a glob (the audit hook looks for 'solutions' in the
+    arguments) and prints the notebook for the sandbox to execute its cell."""
+    reader = f"import glob, sys; sys.stdout.write(open(glob.glob({SOLUTION_FOLDER_GLOB!r})[0]).read())"
+    path = tmp_notebook("dp", {"bus_bandwidth": (
+        "import json, subprocess, sys\n" + CELL_FROM_NOTEBOOK +
+        "def bus_bandwidth(size_bytes, time_s, n):\n"
+        f"    text = subprocess.run([sys.executable, '-c', {reader!r}], capture_output=True, text=True).stdout\n"
+        "    return _exec_cell_defining('bus_bandwidth', text)(size_bytes, time_s, n)\n")})
+    _assert_no_points(grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"], "JSONDecodeError")
+
+
+STACK_WALK = '''
+import sys
+
+def _the_check_and_cases():
+    """The check whose collect called this function, and the inputs it was handed."""
+    from grader.registry import Check
+    frame = sys._getframe(1)
+    while not isinstance(frame.f_locals.get("self"), Check):
+        frame = frame.f_back
+    return frame.f_locals["self"], frame.f_locals[frame.f_code.co_varnames[2]]  # collect(self, student, inputs)
+
+CANDIDATES = [lambda s, t, n: s / t, lambda s, t, n: s / t * (n - 1) / n, lambda s, t, n: s / t * 2 * (n - 1) / n]
+'''
+STACK_WALK_ATTEMPTS = {
+    "judge": ("    check, cases = _the_check_and_cases()\n"
+              "    for candidate in CANDIDATES:\n"
+              "        try:\n"
+              "            check.judge(cases, [candidate(*args, **kwargs) for args, kwargs in cases])\n"
+              "            return candidate(size_bytes, time_s, n)\n"
+              "        except BaseException:\n"
+              "            continue\n"
+              "    return 0.0\n"),
+    "collect and judge": ("    check, cases = _the_check_and_cases()\n"
+                          "    for candidate in CANDIDATES:\n"
+                          "        class Candidate:\n"
+                          "            bus_bandwidth = staticmethod(candidate)\n"
+                          "        try:\n"
+                          "            check.judge(cases, check.collect(Candidate, cases))\n"
+                          "            return candidate(size_bytes, time_s, n)\n"
+                          "        except BaseException:\n"
+                          "            continue\n"
+                          "    return 0.0\n"),
+    "oracle": "    return _the_check_and_cases()[0].expected(size_bytes, time_s, n)\n",
+    "grader's judge": ("    import grader.grading\n"
+                       "    return grader.grading.judge(None, None, None)\n"),
+}
+
+
+@pytest.mark.parametrize("attempt", STACK_WALK_ATTEMPTS)
+def test_the_check_found_on_the_stack_has_no_judge_or_oracle_in_the_sandbox(tmp_notebook, attempt):
+    path = tmp_notebook("dp", {"bus_bandwidth": (
+        STACK_WALK + "def bus_bandwidth(size_bytes, time_s, n):\n" + STACK_WALK_ATTEMPTS[attempt])})
+    _assert_no_points(grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"], "calls the grader's", "never runs beside your code")
+
+
+def test_no_course_module_a_check_names_in_references_is_readable():
+    """DTP_READABLE is the course library's infrastructure: never a module holding an answer."""
+    from grader.registry import all_exercise_ids, find_exercise
+
+    referenced = {dotted.split(".")[1] for exercise_id in all_exercise_ids()
+                  for dotted in find_exercise(exercise_id).check.references if dotted.startswith("dtp.")}
+    assert referenced and not referenced & set(landlock.DTP_READABLE)
+
+
+@needs_landlock
+def test_the_sandbox_rules_keep_the_answers_out_and_the_libraries_in(tmp_path):
+    import numpy
+
+    repo = solution_path("dp").parent.parent
+    (tmp_path / "helpers.py").write_text("x = 1\n")
+    denied = [solution_path("dp"), repo / "dtp" / "costs.py", repo / "dtp" / "pipeline.py", repo / "grader" / "checks" / "common.py",
+              repo / "tests" / "conftest.py", repo / ".git" / "HEAD"]
+    allowed = [repo / "dtp" / "world.py", repo / "grader" / "sandbox.py", tmp_path / "helpers.py", numpy.__file__]
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    rules = landlock.sandbox_rules(str(tmp_path), str(scratch))
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child confines itself, tries each file, and reports
+        try:
+            landlock.confine(rules)
+            outcome = []
+            for path in denied + allowed:
+                try:
+                    open(path, "rb").close()
+                    outcome.append(True)
+                except PermissionError:
+                    outcome.append(False)
+            writable = os.open(scratch / "out", os.O_WRONLY | os.O_CREAT) >= 0
+            try:
+                open(tmp_path / "next_to_the_notebook", "w").close()
+                outcome.append(True)
+            except PermissionError:
+                outcome.append(False)
+            os.write(writer, json.dumps(outcome + [writable]).encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    outcome = json.loads(os.read(reader, 4096) or b"[]")
+    os.waitpid(pid, 0)
+    assert outcome == [False] * len(denied) + [True] * len(allowed) + [False, True]

@@ -253,3 +253,25 @@ def test_an_allocation_beyond_the_memory_cap_is_reported_not_fatal(tmp_notebook)
     assert results["dp.bus_bandwidth"].status == "error"
     assert "ran out of memory" in results["dp.bus_bandwidth"].feedback and "GiB per process" in results["dp.bus_bandwidth"].feedback
     assert results[RING_TIME_OK].status == "passed"
+
+
+def test_without_landlock_grading_runs_as_before_and_the_report_says_so_once(tmp_path, monkeypatch, capsys):
+    """macOS, an old kernel: the sandbox runs unconfined (the in-process guard still refuses the
+    course's references), and the table and the JSON say so, once."""
+    import signal as signals
+
+    from grader import cli, landlock
+
+    monkeypatch.setattr(landlock, "abi_version", lambda: 0)
+    report = tmp_path / "report.json"
+    handler = signals.getsignal(signals.SIGTERM)
+    try:
+        code = cli.main([str(solution_path("dp")), "--only", RING_TIME_OK, "--json", str(report)])
+    finally:
+        signals.signal(signals.SIGTERM, handler)
+    out = capsys.readouterr().out
+    assert code == 0 and "total 1/1" in out
+    assert out.count("no Landlock") == 1
+    written = json.loads(report.read_text())
+    assert set(written) == {"notebooks", "unconfined"} and "no Landlock" in written["unconfined"]
+    assert written["notebooks"][0]["score"] == 1

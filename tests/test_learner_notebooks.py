@@ -52,8 +52,10 @@ def test_answers_under_a_main_guard_are_seen(tmp_notebook):
     """`if __name__ == "__main__":` is true in a Jupyter kernel."""
     path = tmp_notebook("dp", {"interview_bytes_sent_per_gpu": (
         'if __name__ == "__main__":\n'
-        "    interview_bytes_sent_per_gpu = 2 * 63 / 64 * 2.6e9\n"
-        "    interview_allreduce_ms = interview_bytes_sent_per_gpu / 100e9 * 1e3\n")})
+        "    def interview_bytes_sent_per_gpu(n_params, bytes_per_gradient, n_gpus):\n"
+        "        return 2 * (n_gpus - 1) / n_gpus * n_params * bytes_per_gradient\n"
+        "    def interview_allreduce_ms(n_params, bytes_per_gradient, n_gpus, link_bytes_per_s):\n"
+        "        return interview_bytes_sent_per_gpu(n_params, bytes_per_gradient, n_gpus) / link_bytes_per_s * 1e3\n")})
     assert grade(path, "dp.interview")["dp.interview"].status == "passed"
 
 

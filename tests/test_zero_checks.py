@@ -439,24 +439,76 @@ def test_bytes_rejects(tmp_notebook, changes, feedback):
 # --- exercise 6: interview ---
 
 INTERVIEW = '''
-interview_70b_zero3_gb_per_gpu_on_8 = {GB}
-interview_70b_fewest_h100_zero3 = {FEWEST}
-interview_zero1_saving_on_8 = {SAVING}
-interview_70b_zero2_gb_per_gpu_on_1024 = (2 * 70e9 + 14 * 70e9 / 1024) / 1e9
-interview_zero3_traffic_over_dp = 1.5
+import math
+
+
+def interview_zero3_gb_per_gpu(n_params, n_gpus):
+    return {GB}
+
+
+def interview_fewest_gpus_zero3(n_params, gpu_mib, reserved_gib):
+    return {FEWEST}
+
+
+def interview_zero1_saving(n_gpus):
+    return {SAVING}
+
+
+def interview_zero2_gb_per_gpu(n_params, n_gpus):
+    return {ZERO2}
+
+
+def interview_zero3_gb_sent_per_gpu(n_params, n_gpus):
+    return {SENT}
 '''
-RIGHT_INTERVIEW = dict(GB="140.0", FEWEST="17", SAVING="16 / 5.5")
+RIGHT_INTERVIEW = dict(GB="16 * n_params / n_gpus / 1e9",
+                       FEWEST="math.ceil(16 * n_params / (gpu_mib * 2**20 - reserved_gib * 2**30))",
+                       SAVING="16 / (4 + 12 / n_gpus)", ZERO2="(2 + 14 / n_gpus) * n_params / 1e9",
+                       SENT="3 * (n_gpus - 1) / n_gpus * 2 * n_params / 1e9")
+
+
+def interview(**changes) -> str:
+    return INTERVIEW.format(**{**RIGHT_INTERVIEW, **changes})
+
+
+def test_interview_accepts_functions_of_the_question(tmp_notebook):
+    assert graded(tmp_notebook, "zero.interview", {"interview_zero3_gb_per_gpu": interview()}).status == "passed"
 
 
 @pytest.mark.parametrize("changes, feedback", [
-    (dict(GB=str(16 * 70e9 / 8 / 2**30)), "that is in GiB"),
-    (dict(FEWEST="18"), "80·10⁹ bytes"),
-    (dict(FEWEST="14"), "no room for activations"),
+    (dict(GB="16 * n_params / n_gpus / 2**30"), "that is in GiB"),
+    (dict(FEWEST="math.ceil(16 * n_params / (gpu_mib * 1e6 - reserved_gib * 1e9))"), "10⁶ and 10⁹ bytes"),
+    (dict(FEWEST="math.ceil(16 * n_params / (gpu_mib * 2**20))"), "no room for activations"),
     (dict(SAVING="4.0"), "4x is the limit"),
-], ids=["gib", "80e9-bytes", "no-activations", "notes-4x"])
+    (dict(ZERO2="(4 + 12 / n_gpus) * n_params / 1e9"), "the previous stage's memory"),
+    (dict(SENT="2 * (n_gpus - 1) / n_gpus * 2 * n_params / 1e9"), "gathers the weights again for backward"),
+    (dict(SENT="3 * (n_gpus - 1) / n_gpus * 4 * n_params / 1e9"), "16-bit"),
+    # The asked questions' answers, copied from the page: right for the question, wrong for any other.
+    (dict(GB="140.0"), "interview_zero3_gb_per_gpu("),
+    (dict(FEWEST="17"), "interview_fewest_gpus_zero3("),
+    (dict(SAVING="16 / 5.5"), "interview_zero1_saving("),
+    (dict(SENT="413.4375"), "interview_zero3_gb_sent_per_gpu("),
+], ids=["gib", "mib-as-1e6", "no-activations", "notes-4x", "zero2-as-zero1", "sent-as-dp", "sent-fp32",
+        "copied-gb", "copied-fewest", "copied-saving", "copied-sent"])
 def test_interview_rejects(tmp_notebook, changes, feedback):
-    source = INTERVIEW.format(**{**RIGHT_INTERVIEW, **changes})
-    assert_fails(graded(tmp_notebook, "zero.interview", {"interview_70b_zero3_gb_per_gpu_on_8": source}), feedback)
+    assert_fails(graded(tmp_notebook, "zero.interview", {"interview_zero3_gb_per_gpu": interview(**changes)}),
+                 feedback)
+
+
+def test_interview_refuses_the_course_functions(tmp_notebook):
+    source = "from dtp.zero import model_state_bytes_per_gpu\n" + interview(
+        GB="model_state_bytes_per_gpu(n_params, n_gpus, 3) / 1e9")
+    assert_fails(graded(tmp_notebook, "zero.interview", {"interview_zero3_gb_per_gpu": source}),
+                 "uses the course's reference")
+
+
+def test_interview_asks_the_notebooks_questions():
+    from grader.checks.zero.interview import Interview
+    statement = next(cell.source for cell in SOLUTION.cells if cell.source.startswith("## Interview questions"))
+    for name, question in Interview.asked.items():
+        assert f"`{name}(" in statement
+    assert all(text in statement for text in ("70B", "on 8 GPUs", "81559 MiB", "16 GiB", "1024 GPUs", "64 GPUs"))
+    assert Interview.asked["interview_fewest_gpus_zero3"] == (70e9, 81559, 16)
 
 
 def test_every_stage_grading_draws_models_that_need_padding():
@@ -464,7 +516,7 @@ def test_every_stage_grading_draws_models_that_need_padding():
     sizes of 16, 20 and 24 on 4 ranks): every world of every grading must pad a parameter and a layer."""
     import numpy as np
 
-    from grader.checks import zero as checks
+    from grader.checks.zero import stages as checks
     from grader.registry import find_exercise
     for exercise_id in ("zero.zero1", "zero.zero2", "zero.zero3"):
         check = find_exercise(exercise_id).check

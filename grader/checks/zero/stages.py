@@ -1,0 +1,408 @@
+"""Exercises 2, 3 and 4 of the ZeRO chapter: ZeRO-1, ZeRO-2 and ZeRO-3 trained on gloo.
+
+Oracles, computed in the grader: single-process Adam on the full batch (which plain data-parallel
+Adam equals), and the layout a run used, recovered from the pieces it all-gathered
+(`dtp.zero.units_from_pieces`). Mechanisms, from what the learner's code did on each rank: the
+collectives recorded on the process group, the bytes of the tensors it kept
+(`dtp.zero_measure.held_bytes`), and the full weights and gradients alive after every operation,
+per unit (`dtp.zero_measure.FullTensorTracker`), all recorded by `dtp.zero_runs.train_zero_rank`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dtp import zero, zero_runs
+from dtp.models import tiny_mlp
+
+from ...compare import CheckFailed, expect, expect_close
+from ...registry import Check, exercise
+from ..common import completed_worlds, raise_world_failure, run_worlds
+
+BETAS = zero_runs.ADAM["betas"]
+STEPS = zero_runs.STEPS
+FSDP_REFERENCES = ("torch.distributed.fsdp.fully_shard", "torch.distributed.fsdp.FullyShardedDataParallel")
+ZERO_OPTIMIZER = "torch.distributed.optim.ZeroRedundancyOptimizer"
+ALLOWED_OPS = {"all_gather", "reduce_scatter", "wait", "mark"}
+
+
+def _parameter_sizes(sizes) -> list[int]:
+    return [p.numel() for p in tiny_mlp(sizes).parameters()]
+
+
+def _matrix_flags(sizes) -> list[bool]:
+    return [p.dim() > 1 for p in tiny_mlp(sizes).parameters()]
+
+
+class StageJudge:
+    """Judges one world of one stage. Each property is checked on every rank before the next, so
+    that the feedback names the most basic mistake: what was called, how it was sharded, where
+    Adam's state lives, how the gradients were averaged, the numbers, then what else was held."""
+
+    def __init__(self, stage: int, n: int, sizes, seed: int, batch_seed: int, per_rank: list[dict], what: str):
+        self.stage, self.n, self.sizes, self.per_rank, self.what = stage, n, sizes, per_rank, what
+        self.parameter_sizes = _parameter_sizes(sizes)
+        self.parameter_names = [name for name, _ in tiny_mlp(sizes).named_parameters()]
+        self.psi = sum(self.parameter_sizes)
+        self.reference = zero_runs.single_process_adam(sizes, seed, zero_runs.batches(sizes, batch_seed, n), n)
+        self.units: list[int] = []
+
+    @property
+    def name(self) -> str:
+        return f"{self.what} (world {self.n})"
+
+    def judge(self) -> None:
+        for rank, outcome in enumerate(self.per_rank):
+            expect(len(outcome["losses"]) == STEPS, f"{self.name}: rank {rank} did not complete {STEPS} steps")
+            self.operations(rank, outcome)
+        for rank, outcome in enumerate(self.per_rank):
+            self.layout(rank, outcome)
+        for rank, outcome in enumerate(self.per_rank):
+            self.optimizer_state(rank, outcome)
+        self.averaging()
+        self.trajectory()
+        for rank, outcome in enumerate(self.per_rank):
+            self.memory(rank, outcome)
+
+    # --- what was called ---
+    def operations(self, rank: int, outcome: dict) -> None:
+        for events in outcome["events"]:
+            used = {e["op"] for e in events} - ALLOWED_OPS
+            if "all_reduce" in used:
+                raise CheckFailed(
+                    f"{self.name}: rank {rank} called all_reduce. ZeRO averages gradients with a reduce-scatter, so "
+                    "that each rank receives only the average of its own piece ((n-1)/n·Ψ sent); an all-reduce sends "
+                    "twice that, and the all-gather of the weights comes on top")
+            expect(not used, f"{self.name}: rank {rank} called {', '.join(sorted(used))}; ZeRO needs only "
+                             "reduce-scatter (gradients) and all-gather (weights)")
+
+    # --- how it was sharded ---
+    @staticmethod
+    def gathered_between(events, start: str, stop: str) -> list[int]:
+        """Pieces (elements) all-gathered between two marks of a step."""
+        labels = [e.get("label") for e in events]
+        begin, end = labels.index(start), labels.index(stop)
+        return [e["bytes"] // zero.FP32_ITEMSIZE for e in events[begin:end] if e["op"] == "all_gather"]
+
+    def layout(self, rank: int, outcome: dict) -> None:
+        n = self.n
+        for step, events in enumerate(outcome["events"], 1):
+            scatters = [e["bytes"] // zero.FP32_ITEMSIZE for e in events if e["op"] == "reduce_scatter"]
+            expect(all(size % n == 0 for size in scatters),
+                   f"{self.name}: rank {rank} reduce-scattered {scatters} elements in step {step}: pad each tensor to a "
+                   f"multiple of the world size ({n}) so that every rank receives an equal piece")
+            pieces = self.gathered_between(events, "forward", "backward") if self.stage == 3 else \
+                [e["bytes"] // zero.FP32_ITEMSIZE for e in events if e["op"] == "all_gather"]
+            # Forward runs the layers in the model's order, so ZeRO-3's forward gathers come in that
+            # order, which tells apart splits of the parameters with the same pieces.
+            units = (self.stage == 3 and zero.units_from_pieces(pieces, self.parameter_sizes, n, ordered=True)) \
+                or zero.units_from_pieces(pieces, self.parameter_sizes, n)
+            if units is None:
+                raise CheckFailed(
+                    f"{self.name}: in step {step} rank {rank} all-gathered pieces of {sorted(pieces)} elements"
+                    f"{' in forward' if self.stage == 3 else ''} for parameters of {self.parameter_sizes} elements; "
+                    f"each parameter must be gathered once, in pieces of ceil(u/{n}) elements of a tensor of u "
+                    "elements (one tensor per parameter, per layer, or one flat buffer of all of them)")
+            self.units = units
+            expect(sorted(size // n for size in scatters) == sorted(zero.shard_numel(u, n) for u in units),
+                   f"{self.name}: in step {step} rank {rank} reduce-scattered {scatters} elements; each unit it "
+                   f"all-gathered ({units} elements) should be reduce-scattered once, padded to a multiple of {n}")
+            if self.stage >= 2:
+                self.scattered_during_backward(rank, step, events)
+            if self.stage == 3:
+                self.gathered_again(rank, step, events, units)
+
+    def scattered_during_backward(self, rank: int, step: int, events) -> None:
+        labels = [e.get("label") for e in events]
+        late = [e for e in events[labels.index("step"):] if e["op"] == "reduce_scatter"]
+        expect(not late, f"{self.name}: rank {rank} reduce-scattered gradients after backward (in step {step}): "
+                         f"ZeRO-{self.stage} reduce-scatters each gradient during backward, as soon as it is produced "
+                         "(a post-accumulate-grad hook), so that the full gradients never exist together")
+
+    def gathered_again(self, rank: int, step: int, events, units: list[int]) -> None:
+        """In backward, every unit holding a weight matrix is gathered again (a bias alone is not
+        needed: its gradient is the sum of the output gradient)."""
+        again = self.gathered_between(events, "backward", "step")
+        missing = sorted(zero.shard_numel(u, self.n) for u, matrix in zip(units, self.units_with_matrices(units))
+                         if matrix)
+        for piece in again:
+            if piece in missing:
+                missing.remove(piece)
+        if missing:
+            peak = max(o["full weights"][step - 1]["forward"] for o in self.per_rank)
+            raise CheckFailed(
+                f"{self.name}: rank {rank} did not all-gather the weights again during backward (step {step}): "
+                f"pieces of {missing} elements are missing. Weights gathered in forward and saved for backward stay "
+                f"alive until backward reaches them (here up to {peak} of the {zero.FP32_ITEMSIZE * self.psi} bytes "
+                "of weights at once): free them after each layer's forward and gather them again in backward")
+
+    def units_with_matrices(self, units: list[int]) -> list[bool]:
+        flags, index, result = _matrix_flags(self.sizes), 0, []
+        for unit in units:
+            total, matrix = 0, False
+            while total < unit:
+                total += self.parameter_sizes[index]
+                matrix = matrix or flags[index]
+                index += 1
+            result.append(matrix)
+        return result
+
+    # --- where Adam's state lives, and how the gradients were averaged ---
+    def shard_elements(self) -> int:
+        return sum(zero.shard_numel(u, self.n) for u in self.units)
+
+    def optimizer_state(self, rank: int, outcome: dict) -> None:
+        item, shard = zero.FP32_ITEMSIZE, self.shard_elements()
+        for step in range(1, STEPS):  # Adam's state exists from the first step on
+            held = outcome["held"][step]["optimizer states"]
+            where = f"{self.name}: rank {rank} after backward in step {step + 1}"
+            if held >= 2 * item * self.psi:
+                raise CheckFailed(f"{where} holds {held} bytes of Adam state: that covers all the parameters. Each "
+                                  f"rank must update only its piece, with Adam state for it alone: 2·4·{shard} = "
+                                  f"{2 * item * shard} bytes")
+            expect(held == 2 * item * shard, f"{where} holds {held} bytes of Adam state; for its pieces ({shard} "
+                                             f"elements, padding included) Adam keeps two fp32 moments, "
+                                             f"{2 * item * shard} bytes")
+
+    def averaging(self) -> None:
+        found = [o["exp_avg"] for o in self.per_rank]
+        if any(value is None for value in found):
+            raise CheckFailed(f"{self.name}: no torch.optim.Adam holds Adam's state on some rank: step your piece "
+                              "of the weights with torch.optim.Adam, so that its state is this rank's piece only")
+        # Adam's first momentum is (1 - beta1)·g: summed over the ranks' pieces it shows how g was scaled.
+        ratio = sum(found) / ((1 - BETAS[0]) * self.reference["first gradient"])
+        n = self.n
+        if abs(ratio - n) < 0.02 * n:
+            raise CheckFailed(f"{self.name}: the gradients Adam stepped with are {ratio:.2f}x the average: the "
+                              "reduce-scatter sums; divide by the world size (Adam hides most of this bug: its "
+                              "update barely changes when every gradient is scaled)")
+        if abs(ratio - 1 / n) < 0.02 / n:
+            raise CheckFailed(f"{self.name}: the gradients Adam stepped with are 1/{n} of the average: you divided by "
+                              "the world size twice (Adam hides most of this bug: its update barely changes when "
+                              "every gradient is scaled)")
+        expect(abs(ratio - 1) < 1e-3, f"{self.name}: the gradients Adam stepped with add up to {ratio:.3g}x the "
+                                      "average gradient: each rank must step with the average over ranks of its piece")
+
+    # --- the numbers ---
+    def trajectory(self) -> None:
+        for rank, outcome in enumerate(self.per_rank):
+            for step in range(STEPS):
+                wanted = self.reference["losses"][step][rank]
+                expect(abs(outcome["losses"][step] - wanted) <= 1e-4 * (1 + abs(wanted)),
+                       f"{self.name}: rank {rank}'s loss in step {step + 1} is {outcome['losses'][step]:.6g}, plain "
+                       f"data-parallel Adam gives {wanted:.6g}")
+                self.compare_state(rank, step, outcome)
+
+    def compare_state(self, rank: int, step: int, outcome: dict) -> None:
+        reference = self.reference["states"][step]
+        mine = outcome["states"][step]
+        what = f"{self.name}: rank {rank}'s weights after step {step + 1}"
+        expect(isinstance(mine, dict) and set(mine) == set(reference), f"{what}: the model's parameters changed names")
+        for name, value in reference.items():
+            try:
+                expect_close(mine[name], value, f"{what}, `{name}`", rtol=1e-4, atol=1e-5)
+            except CheckFailed as failed:
+                unchanged = step > 0 and np.array_equal(mine[name], outcome["states"][step - 1][name])
+                hint = " It did not change in this step: did the updated pieces reach every rank (all-gather)?" \
+                    if unchanged else ""
+                raise CheckFailed(str(failed) + hint) from None
+
+    # --- what else was held ---
+    def memory(self, rank: int, outcome: dict) -> None:
+        n, psi, item = self.n, self.psi, zero.FP32_ITEMSIZE
+        shard = self.shard_elements()
+        padded = n * shard
+        for step in range(1, STEPS):
+            held = outcome["held"][step]
+            where = f"{self.name}: rank {rank} after backward in step {step + 1}"
+            if self.stage == 2:
+                self.gradients_freed(rank, step, outcome)
+            if self.stage == 3:
+                self.full_weights(rank, step, outcome)
+                expect(held["weights"] == item * shard,
+                       f"{where} holds {held['weights']} bytes of parameters; ZeRO-3 keeps only this rank's pieces, "
+                       f"{item * shard} bytes: register only the pieces as your module's parameters")
+            else:
+                expect(held["weights"] in (item * (psi + shard), item * padded),
+                       f"{where} holds {held['weights']} bytes of weights; the model's {item * psi} and your pieces' "
+                       f"{item * shard} make {item * (psi + shard)} (or {item * padded} if the model's weights live in "
+                       "padded buffers that your pieces are views of)")
+            if self.stage >= 2:
+                expect(held["gradients"] == item * shard,
+                       f"{where} holds {held['gradients']} bytes of gradients; ZeRO-{self.stage} keeps the averaged "
+                       f"gradient of its pieces only, {item * shard} bytes (set it as the pieces' .grad)")
+            else:
+                expect(held["gradients"] in (item * psi, item * padded),
+                       f"{where} holds {held['gradients']} bytes of gradients; ZeRO-1 keeps the full gradients that "
+                       f"backward produced, {item * psi} bytes, and makes the averaged pieces only in step()")
+            expect(held["other"] == 0,
+                   f"{where} keeps {held['other']} bytes in tensors that are neither weights, gradients nor optimizer "
+                   f"state ({'; '.join(held['other paths'])}): free buffers once a collective is done")
+
+    def gradients_freed(self, rank: int, step: int, outcome: dict) -> None:
+        left = outcome["full grads after backward"][step]
+        expect(left == 0, f"{self.name}: after backward in step {step + 1} rank {rank} still holds {left} bytes of "
+                          "full gradients: ZeRO-2 keeps only the averaged piece; once a gradient is reduce-scattered, "
+                          "drop it (parameter.grad = None) and keep no other reference to it")
+        peak = outcome["grad peak"][step]
+        expect(peak < zero.FP32_ITEMSIZE * self.psi,
+               f"{self.name}: during backward in step {step + 1} rank {rank} held all {peak} bytes of full gradients "
+               "at once: reduce-scatter each gradient as backward produces it (a post-accumulate-grad hook) and "
+               "free it there")
+        stale = outcome["stale gradients"][step]
+        if stale is not None:
+            names = [self.parameter_names[i] for i in stale["parameters"]]
+            raise CheckFailed(
+                f"{self.name}: during {stale['phase']} in step {step + 1} rank {rank} still held the full "
+                f"gradient{'s' if len(names) > 1 else ''} of {', '.join(names)} ({stale['bytes']} bytes) after they "
+                "had been reduce-scattered and the next gradient had been reduce-scattered too: ZeRO-2 frees each "
+                "full gradient as soon as its piece is averaged (parameter.grad = None in the hook, and no other "
+                "reference to it, in a list or on the wrapper), so that one unit's full gradient at most is alive")
+
+    def full_weights(self, rank: int, step: int, outcome: dict) -> None:
+        record = outcome["full weights"][step]
+        total = zero.FP32_ITEMSIZE * self.psi
+        units = outcome["gathered units"][step]
+        # A unit is what one all-gather brings (a layer, or a parameter where each is sharded on its own).
+        per_layer = -(-len(self.units) // (len(self.sizes) - 1))
+        allowed = zero_runs.GATHERED_UNITS_LIMIT * per_layer
+        what = "layers" if per_layer == 1 else "layers' worth of units"
+        for phase in ("forward", "backward"):
+            expect(record[phase] < total,
+                   f"{self.name}: during {phase} in step {step + 1} rank {rank} held {record[phase]} bytes of "
+                   f"gathered weights at once, all {total} bytes of them: gather each layer's weights just before "
+                   "it runs and free them right after")
+            expect(units[phase] <= allowed,
+                   f"{self.name}: during {phase} in step {step + 1} rank {rank} held the gathered weights of "
+                   f"{-(-units[phase] // per_layer)} layers at once (up to {record[phase]} of the {total} bytes of "
+                   f"weights): ZeRO-3 keeps a layer gathered only while it runs, so at most "
+                   f"{zero_runs.GATHERED_UNITS_LIMIT} {what} are alive at any time. Free each layer's gathered "
+                   "weights right after its forward (save the piece for backward, not the weights, nor a list of "
+                   "them) and gather them again in backward")
+        for moment in ("after backward", "after step"):
+            expect(record[moment] == 0,
+                   f"{self.name}: {moment} in step {step + 1} rank {rank} still holds {record[moment]} bytes of "
+                   "gathered weights: free them once the layer's forward or backward is done")
+
+
+class Zero3Judge(StageJudge):
+    """ZeRO-3's weights exist on a rank only as pieces: the grader puts them back together."""
+
+    def compare_state(self, rank: int, step: int, outcome: dict) -> None:
+        pieces_by_rank = [o["states"][step] for o in self.per_rank]
+        sizes = [np.size(piece) for piece in pieces_by_rank[rank]]
+        expect(all([np.size(p) for p in pieces] == sizes for pieces in pieces_by_rank),
+               f"{self.name}: the ranks' modules have parameters of different sizes; every rank holds pieces of "
+               "ceil(u/n) elements of the same units")
+        units = zero.units_from_pieces(sizes, self.parameter_sizes, self.n, ordered=True)
+        expect(units is not None, f"{self.name}: rank {rank}'s module parameters have {sizes} elements, which are not pieces "
+                         f"of ceil(u/{self.n}) elements of the model's parameters ({self.parameter_sizes} elements) in "
+                         "the model's order")
+        full = np.concatenate(zero.unshard(pieces_by_rank, units))
+        reference = np.concatenate([np.ravel(v) for v in self.reference["states"][step].values()])
+        expect_close(full, reference, f"{self.name}: the weights after step {step + 1}, put together from every "
+                                      "rank's pieces", rtol=1e-4, atol=1e-5)
+
+
+def _needs_padding(sizes, n: int) -> bool:
+    """Whether a run of tiny_mlp(sizes) on n ranks pads some parameter and some layer: only then
+    does an implementation that forgets the padding fail (with hidden sizes of 16, 20 or 24 every
+    parameter is a multiple of 4)."""
+    parameters = _parameter_sizes(sizes)
+    layers = [w + b for w, b in zip(parameters[::2], parameters[1::2])]
+    return any(u % n for u in parameters) and any(u % n for u in layers)
+
+
+def _stage_inputs(rng, world_sizes, layers: int) -> list[tuple]:
+    worlds = []
+    for n in world_sizes:
+        sizes = None
+        while sizes is None or not _needs_padding(sizes, n):
+            sizes = (8, *[int(rng.integers(16, 25)) for _ in range(layers - 1)], 4)
+        worlds.append((n, sizes, int(rng.integers(1 << 20)), int(rng.integers(1 << 20))))
+    return worlds
+
+
+class ZeroStageCheck(Check):
+    """One ZeRO stage trained on gloo worlds of the given sizes and judged world by world."""
+
+    stage = 0
+    name = ""
+    layers = 3
+    world_sizes: tuple[int, ...] = ()
+    judge_class = StageJudge
+    timeout_s = 60
+    runs_world = True
+
+    def prepare(self, rng):
+        return _stage_inputs(rng, self.world_sizes, self.layers)
+
+    def collect(self, student, worlds):
+        make = getattr(student, self.reads[0])
+        return run_worlds(zero_runs.train_zero_rank, [(n, (self.stage, make, sizes, seed, batch_seed))
+                                                         for n, sizes, seed, batch_seed in worlds])
+
+    def judge(self, worlds, outcomes) -> str:
+        done, failure = completed_worlds(outcomes)
+        for (n, sizes, seed, batch_seed), per_rank in zip(worlds, done):
+            self.judge_class(self.stage, n, sizes, seed, batch_seed, per_rank, self.name).judge()
+        raise_world_failure(failure)
+        return self.summary
+
+
+@exercise("zero.zero1", points=3)
+class ZeRO1(ZeroStageCheck):
+    """Verifies: on 2 and 4 gloo ranks, 3 Adam steps equal plain data-parallel Adam (weights and
+    losses); per step only a reduce-scatter and an all-gather per unit (parameters, or flat
+    buffers of them), padded to a multiple of n; the Adam that steps the rank's piece holds
+    state for it alone (8 bytes per element of the piece), and the gradients averaged (not
+    summed, not divided twice: read from Adam's first momentum); nothing else kept.
+    Fakes: torch's ZeroRedundancyOptimizer trips; full Adam on every rank (its state bytes);
+    all-reduce then local update (recorded on the process group)."""
+
+    reads = ("ZeRO1Adam",)
+    references = (ZERO_OPTIMIZER,)
+    stage, name, world_sizes = 1, "ZeRO1Adam", (2, 4)
+    summary = ("3 Adam steps equal plain data-parallel Adam on 2 and 4 ranks; gradients reduce-scattered and "
+               "averaged, Adam state only for this rank's piece, weights all-gathered: 2(n-1)/n·Ψ sent per step")
+
+
+@exercise("zero.zero2", points=3)
+class ZeRO2(ZeroStageCheck):
+    """Verifies: as zero.zero1 (2 and 3 ranks), and the gradients: each is reduce-scattered
+    during backward and dropped there, so no full gradient is alive after backward (anywhere in
+    the process: the storages that were a .grad, and every copy made of them, are followed),
+    never all of them at once during backward, a unit's full gradient is gone once the next
+    unit is reduce-scattered (per parameter, from the order of the rank's operations, once gloo
+    has let go of its buffers), and the rank keeps only the averaged gradient of its pieces.
+    Fakes: keeping full gradients (or references to them) until the end of backward or for
+    good, or reduce-scattering after backward, show in the followed storages and the recorded
+    order."""
+
+    reads = ("ZeRO2Adam",)
+    references = (ZERO_OPTIMIZER,)
+    stage, name, world_sizes = 2, "ZeRO2Adam", (2, 3)
+    summary = ("3 Adam steps equal plain data-parallel Adam on 2 and 3 ranks; each gradient reduce-scattered during "
+               "backward and freed before the next one's reduce-scatter, only the averaged pieces kept; 2(n-1)/n·Ψ "
+               "sent per step")
+
+
+@exercise("zero.zero3", points=4)
+class ZeRO3(ZeroStageCheck):
+    """Verifies: on 3 and 4 ranks, a 4-layer MLP wrapped by the learner's module and trained by
+    torch Adam over its parameters equals plain data-parallel Adam (the pieces are put back
+    together in the grader); the module's parameters are the rank's padded pieces only; every
+    unit is all-gathered once in forward and again in backward (units with a weight matrix), and
+    reduce-scattered once; gathered weights, followed through every copy by a dispatch mode,
+    come from at most two layers' all-gathers at any moment (counted after every operation,
+    once gloo has let go of its buffers; never judged by time), never amount to all weights, and
+    are all freed after backward and after the step.
+    Fakes: torch's fully_shard/FSDP trip; keeping gathered weights for backward, all or all but
+    one (the gathers counted alive, and the missing all-gathers); keeping the full model inside
+    the module (bytes)."""
+
+    reads = ("ZeRO3Module",)
+    references = FSDP_REFERENCES
+    stage, name, world_sizes, layers, judge_class = 3, "ZeRO3Module", (3, 4), 4, Zero3Judge
+    summary = ("3 Adam steps equal plain data-parallel Adam on 3 and 4 ranks; only pieces held, each layer gathered "
+               "just before forward and again in backward, at most two layers gathered at once; 3(n-1)/n·Ψ sent per "
+               "step")

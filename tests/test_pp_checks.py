@@ -226,6 +226,30 @@ def test_zb_h1_schedule_accepts(tmp_notebook, source):
     assert result.status == "passed", result
 
 
+def test_zb_h1_timing_is_checked_with_unequal_times_in_the_closed_forms_range():
+    """The page's claim, the closed form for t_W <= min(t_F, t_B) (tests/test_pp_pipeline.py
+    simulates it), is what every grading checks: equal times, t_W = min(t_F, t_B), and below.
+    (No plausible wrong order was found that is as fast as ZB-H1 only at equal times: the W
+    delays 0, s-1, min(s, 1), and B's before W's in the cool-down are slower at equal times too.)"""
+    check = pp.schedules.ZeroBubbleH1Schedule()
+    for seed in range(200):
+        timed = [(case, times) for case, times in check.prepare(np.random.default_rng(seed)) if case[1] >= case[0]]
+        assert all(times["W"] <= min(times["F"], times["B"]) for _, times in timed)
+        assert any(times["F"] == times["B"] == times["W"] for _, times in timed)
+        assert any(times["F"] != times["B"] and times["W"] < min(times["F"], times["B"]) for _, times in timed)
+
+
+def test_zb_h1_accepts_weight_gradients_newest_first():
+    """Any order of the pending W's keeps ZB-H1's time, at any times in the closed form's range."""
+    source = zb(COOL_DOWN_W='[("W", pending.pop(), 0)]')
+    namespace = {}
+    exec(source, namespace)
+    check = pp.schedules.ZeroBubbleH1Schedule()
+    for seed in range(20):
+        cases = check.prepare(np.random.default_rng(seed))
+        check.judge(cases, [namespace["zb_h1_schedule"](*case) for case, _ in cases])
+
+
 # --- exercise 2: the simulator ---
 
 SIMULATOR_TEMPLATE = '''

@@ -385,23 +385,42 @@ def test_dp_tp_training_accepts_other_correct_runs(tmp_notebook, source):
 ANSWERS = "interview_ep_group_nodes"
 
 
-@pytest.mark.parametrize("old, new, feedback", [
-    ('interview_ep_group_nodes = len(', 'interview_ep_group_nodes = 1 or len(', "TP = 8 fills"),
-    ('["memory_bytes"] / 2**30', '["memory_bytes"] / 1e9', "answer in GiB"),
-    ('interview_step_time_ratio = (', 'interview_step_time_ratio = 1 / (', "the question asks"),
-], ids=["ep-inside-the-node", "memory-in-gb", "ratio-inverted"])
-def test_interview_rejects(tmp_notebook, old, new, feedback):
+def interview_cell() -> str:
     notebook = nbformat.read(solution_path("topology"), as_version=4)
-    cell = next(c.source for c in notebook.cells if c.cell_type == "code" and "interview_ep_group_nodes =" in c.source)
+    return next(c.source for c in notebook.cells if c.cell_type == "code" and "def interview_ep_group_nodes(" in c.source)
+
+
+@pytest.mark.parametrize("old, new, feedback", [
+    ('return len({rank // gpus_per_node for rank in group})', 'return len({rank // gpus_per_node for rank in range(ep)})',
+     "that lays EP out innermost"),
+    ('["memory_bytes"] / 2**30', '["memory_bytes"] / 1e9', "answer in GiB"),
+    ('return layout_row(MOE_409B, H100_CLUSTER, FOUR_MILLION_TOKENS, layout)["step_time_s"] / fastest["step_time_s"]',
+     'return fastest["step_time_s"] / layout_row(MOE_409B, H100_CLUSTER, FOUR_MILLION_TOKENS, layout)["step_time_s"]',
+     "the question asks this layout over the fastest"),
+    ('["seconds"]["ep"]', '["seconds"]["ep"] * 2', "interview_ep_seconds("),
+], ids=["ep-inside-the-node", "memory-in-gb", "ratio-inverted", "ep-time-doubled"])
+def test_interview_rejects(tmp_notebook, old, new, feedback):
+    cell = interview_cell()
     assert old in cell
     assert_fails(graded(tmp_notebook, "topology.interview", {ANSWERS: cell.replace(old, new)}), feedback)
 
 
-def test_interview_accepts_answers_typed_as_numbers(tmp_notebook):
-    from grader.checks.topology import INTERVIEW_ANSWERS, interview_oracle
+def test_interview_refuses_the_asked_answers_copied_as_constants(tmp_notebook):
+    """Numbers copied from the page answer the questions asked, never the drawn ones."""
+    from grader.checks.topology.interview import Interview
 
-    typed = "\n".join(f"{name} = {interview_oracle()[name]!r}" for name in INTERVIEW_ANSWERS)
-    assert graded(tmp_notebook, "topology.interview", {ANSWERS: typed}).status == "passed"
+    check = Interview()
+    copied = "\n\n".join(f"def {name}(*numbers):\n    return {check.expected(name, *check.asked[name])!r}"
+                           for name in check.reads)
+    assert_fails(graded(tmp_notebook, "topology.interview", {ANSWERS: copied}), "expected")
+
+
+def test_interview_refuses_the_courses_planner(tmp_notebook):
+    cell = interview_cell().replace(
+        'return layout_row(MOE_409B, H100_CLUSTER, FOUR_MILLION_TOKENS, layout)["memory_bytes"] / 2**30',
+        'from dtp import topology_planner\n    return topology_planner.evaluate(MOE_409B, H100_CLUSTER, '
+        'FOUR_MILLION_TOKENS, topology_planner.PlannedLayout(*layout))["memory_bytes"] / 2**30')
+    assert_fails(graded(tmp_notebook, "topology.interview", {ANSWERS: cell}), "uses the course's reference")
 
 
 # --- exercise 1, every grading: the draws separate the right layout from its near-misses ---

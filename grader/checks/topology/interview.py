@@ -1,4 +1,4 @@
-"""The topology chapter's interview questions."""
+"""The topology chapter's interview questions: answers as functions of the question's numbers."""
 from __future__ import annotations
 
 import functools
@@ -6,53 +6,81 @@ import functools
 from dtp import topology
 from dtp import topology_planner as planner
 
-from ...compare import expect_answer
 from ...registry import exercise
-from ..common import FixedAnswers
+from ..common import InterviewQuestions
+from .layout import LAYOUT_REFERENCES, LINK_REFERENCES
+from .planning import PLANNER_REFERENCES
 
-INTERVIEW_ANSWERS = ("interview_ep_group_nodes", "interview_ep_nodes_with_tp1", "interview_memory_gib",
-                     "interview_ep_seconds", "interview_step_time_ratio")
+# The source notes' layout of "a 409B MoE" on 1024 H100s, as (tp, pp, dp, ep, zero_stage, micro_batches)
 NOTES_LAYOUT = planner.PlannedLayout(tp=8, pp=8, dp=16, ep=8, zero_stage=1, micro_batches=64)
+QUESTION = (planner.MOE_409B, planner.H100_CLUSTER, planner.FOUR_MILLION_TOKENS)
+LAYOUT_QUESTIONS = ("interview_memory_gib", "interview_ep_seconds", "interview_step_time_ratio")
+
+
+def ep_group_nodes(tp: int, ep: int, gpus_per_node: int) -> int:
+    """Nodes rank 0's EP group spans in the course's order (TP innermost, then EP)."""
+    group = topology.parallel_groups({"tp": tp, "dp": ep, "ep": ep}, ("tp", "ep", "dp"))["ep"][0]
+    return topology.nodes_spanned(group, gpus_per_node)
 
 
 @functools.lru_cache(maxsize=1)
-def interview_oracle() -> dict[str, float]:
-    """The answers, from the course's planner (the 409B MoE, the H100 cluster, 4M-token batches)."""
-    model, cluster, training = planner.MOE_409B, planner.H100_CLUSTER, planner.FOUR_MILLION_TOKENS
-    notes = planner.evaluate(model, cluster, training, NOTES_LAYOUT)
-    best = planner.plan(model, cluster, training)[0]
-    ep_group = topology.parallel_groups(NOTES_LAYOUT.sizes(model), NOTES_LAYOUT.order(model))["ep"][0]
-    tp1 = {"tp": 1, "pp": 8, "dp": 128, "ep": 8}
-    tp1_group = topology.parallel_groups(tp1, topology.COURSE_ORDER)["ep"][0]
-    return {"interview_ep_group_nodes": topology.nodes_spanned(ep_group, 8),
-            "interview_ep_nodes_with_tp1": topology.nodes_spanned(tp1_group, 8),
-            "interview_memory_gib": notes["memory_bytes"] / 2**30,
-            "interview_ep_seconds": notes["times"]["ep"],
-            "interview_step_time_ratio": notes["step_time_s"] / best["step_time_s"]}
+def fastest_step_time_s() -> float:
+    return planner.plan(*QUESTION)[0]["step_time_s"]
 
 
 @exercise("topology.interview", points=2)
-class Interview(FixedAnswers):
-    """Verifies: five answers about the source notes' 409B MoE layout on 1024 H100s (TP 8, EP 8,
-    PP 8, DP 16, ZeRO-1): the nodes an EP group spans with TP = 8 and with TP = 1, the memory per
-    GPU, the EP all-to-all time per step and the step time over the planner's best, all from
-    dtp.topology and dtp.topology_planner. Fakes: a fixed question, so a copied number passes; it
-    is worth two points for that."""
+class Interview(InterviewQuestions):
+    """Verifies: four interview answers as functions of the question's numbers: the nodes an EP
+    group spans for a TP size, an EP size and a node size (asked for the source notes' TP = 8 and
+    for TP = 1); and, for a layout of the 409B MoE on 1024 H100s, its memory per GPU, the time of
+    its EP all-to-alls per step and its step time over the planner's fastest (asked for the
+    notes' TP 8, EP 8, PP 8, DP 16, ZeRO-1), each on the questions asked and on random ones
+    (node sizes and powers of two; layouts among the planner's candidates).
+    Fakes: a number copied from the page answers the asked question only, not the drawn ones;
+    dtp.topology's and dtp.topology_planner's functions trip."""
 
-    reads = INTERVIEW_ANSWERS
+    reads = ("interview_ep_group_nodes",) + LAYOUT_QUESTIONS
+    references = PLANNER_REFERENCES + LINK_REFERENCES + LAYOUT_REFERENCES + ("dtp.topology.nodes_spanned",)
+    asked = {"interview_ep_group_nodes": (8, 8, 8),
+             **{name: tuple(getattr(NOTES_LAYOUT, field) for field in planner.LAYOUT_FIELDS)
+                for name in LAYOUT_QUESTIONS}}
+    timeout_s = 40  # the step-time ratio runs the learner's planner once per question
+    rel = 1e-6
+    summary = "all four interview answers are right for the questions asked and for random numbers"
 
-    def judge(self, inputs, answers) -> str:
-        right = interview_oracle()
-        nodes, nodes_tp1, memory_gib, ep_seconds, ratio = answers
-        expect_answer(nodes, right["interview_ep_group_nodes"], "interview_ep_group_nodes", slips={
-            "an EP group cannot share a node that TP = 8 fills: its 8 ranks are 8 apart, one per node": 1})
-        expect_answer(nodes_tp1, right["interview_ep_nodes_with_tp1"], "interview_ep_nodes_with_tp1", slips={
-            "with TP = 1, EP is the innermost dimension: ranks 0..7, one node": 8})
-        expect_answer(memory_gib, right["interview_memory_gib"], "interview_memory_gib", rel=1e-4, slips={
-            "that is in GB (10⁹ bytes); answer in GiB": right["interview_memory_gib"] * 2**30 / 1e9,
-            "that is in bytes; answer in GiB": right["interview_memory_gib"] * 2**30})
-        expect_answer(ep_seconds, right["interview_ep_seconds"], "interview_ep_seconds", rel=1e-4)
-        expect_answer(ratio, right["interview_step_time_ratio"], "interview_step_time_ratio", rel=1e-4, slips={
-            "that is best over the notes' layout; the question asks the notes' layout over the best":
-                1 / right["interview_step_time_ratio"]})
-        return "all five answers are right"
+    def prepare(self, rng):
+        questions = super().prepare(rng)
+        questions["interview_ep_group_nodes"].insert(1, (1, 8, 8))  # the notes' second question: TP = 1
+        # The ratio runs the learner's whole planner each time: two random layouts tell a copied number apart.
+        questions["interview_step_time_ratio"] = questions["interview_step_time_ratio"][:3]
+        return questions
+
+    def drawn(self, name, rng):
+        if name == "interview_ep_group_nodes":
+            return int(rng.choice([1, 2, 4, 8])), int(rng.choice([2, 4, 8, 16])), int(rng.choice([4, 8, 16]))
+        candidates = [layout for layout in planner.candidate_layouts(*QUESTION) if layout.ep > 1]
+        layout = candidates[int(rng.integers(len(candidates)))]
+        return tuple(int(getattr(layout, field)) for field in planner.LAYOUT_FIELDS)
+
+    def expected(self, name, *args):
+        if name == "interview_ep_group_nodes":
+            return ep_group_nodes(*args)
+        row = planner.evaluate(*QUESTION, planner.PlannedLayout(*args))
+        if name == "interview_memory_gib":
+            return row["memory_bytes"] / 2**30
+        if name == "interview_ep_seconds":
+            return row["times"]["ep"]
+        return row["step_time_s"] / fastest_step_time_s()
+
+    def slips(self, name, *args):
+        right = self.expected(name, *args)
+        if name == "interview_ep_group_nodes":
+            tp, ep, gpus_per_node = args
+            return {f"that lays EP out innermost; with TP innermost an EP group's ranks are tp = {tp} apart":
+                    ep_group_nodes(1, ep, gpus_per_node)}
+        if name == "interview_memory_gib":
+            return {"that is in GB (10⁹ bytes); answer in GiB": right * 2**30 / 1e9,
+                    "that is in bytes; answer in GiB": right * 2**30}
+        if name == "interview_step_time_ratio":
+            return {"that is the fastest over this layout; the question asks this layout over the fastest": 1 / right}
+        return {}

@@ -176,9 +176,9 @@ class RankLayout(Check):
                 expect(list(ranks) == mine, f"init_device_mesh with your arguments for "
                                             f"{_describe_layout(sizes, order)} gives rank {rank} the {name} group "
                                             f"{list(ranks)}, not {mine}")
-        return ("coordinates, groups and init_device_mesh arguments are right for random layouts and orders (EP "
-                "carved out of DP included), and init_device_mesh with your arguments builds the layout's groups "
-                "on gloo")
+        return ("coordinates, groups and init_device_mesh arguments are right for random layouts and orders (cp, "
+                "dimensions of size 1, and EP carved out of DP, inside and outside its other factor), and "
+                "init_device_mesh with your arguments builds the layout's groups on gloo")
 
 
 def _mesh_answer(answer, what: str) -> tuple[list[int], list[str]]:

@@ -452,10 +452,17 @@ def bubble_over_ideal(p, m, v=1):
     return {RATIO}
 
 
-def peak_in_flight(schedule, p, m, stage):
-    return m if schedule == "GPipe" else {PEAK}
+def peak_in_flight(schedule, p, m, stage, v=1):
+    if schedule == "GPipe":
+        return m
+    if schedule == "ZB-H1":
+        return {ZB_PEAK}
+    if schedule == "interleaved 1F1B":
+        return {INTERLEAVED_PEAK}
+    return {PEAK}
 '''
-CLOSED_FORMS_RIGHT = dict(FRACTION="(p - 1) / (v * m + p - 1)", RATIO="(p - 1) / (v * m)", PEAK="min(p - stage, m)")
+CLOSED_FORMS_RIGHT = dict(FRACTION="(p - 1) / (v * m + p - 1)", RATIO="(p - 1) / (v * m)", PEAK="min(p - stage, m)",
+                          ZB_PEAK="min(p, m)", INTERLEAVED_PEAK="min((v - 1) * p + 2 * (p - stage - 1) + 1, v * m)")
 
 
 def closed_forms(**changes) -> str:
@@ -470,12 +477,25 @@ def closed_forms(**changes) -> str:
     (dict(PEAK="m"), "that is GPipe's peak"),
     (dict(PEAK="p - stage"), "never more than the m micro-batches"),
     (dict(PEAK="min(p, m)"), "holds for the first stage"),
+    (dict(ZB_PEAK="min(p - stage, m)"), "that is 1F1B's peak; ZB-H1 also keeps up to s weight gradients"),
+    (dict(INTERLEAVED_PEAK="min((v - 1) * p + 2 * (p - stage - 1), v * m)"), "that is the warm-up alone"),
+    (dict(INTERLEAVED_PEAK="min((v + 1) * p - 1, v * m)"), "that holds for stage 0"),
+    (dict(INTERLEAVED_PEAK="min(p - stage, m)"), "that ignores the chunks"),
 ], ids=["fraction-is-megatrons-ratio", "7-over-70", "ratio-is-the-fraction", "v-forgotten", "1f1b-holds-m",
-        "min-with-m-forgotten", "stage-forgotten"])
+        "min-with-m-forgotten", "stage-forgotten", "zb-h1-peak-is-1f1bs", "interleaved-warm-up-alone",
+        "interleaved-stage-forgotten", "interleaved-chunks-ignored"])
 def test_closed_forms_reject(tmp_notebook, changes, feedback):
     result = graded(tmp_notebook, "pp.closed_forms", {"bubble_fraction": closed_forms(**changes)})
     # With m < p, min(p, m) is m: forgetting the stage looks like GPipe's peak, and the feedback says so.
     assert_fails(result, feedback, *(["that is GPipe's peak"] if feedback == "holds for the first stage" else []))
+
+
+def test_closed_forms_accept_exact_fractions(tmp_notebook):
+    """fractions.Fraction results are numbers (exact rationals), compared by value."""
+    source = "from fractions import Fraction\n" + closed_forms(FRACTION="Fraction(p - 1, v * m + p - 1)",
+                                                              RATIO="Fraction(p - 1, v * m)")
+    result = graded(tmp_notebook, "pp.closed_forms", {"bubble_fraction": source})
+    assert result.status == "passed", result
 
 
 def test_closed_forms_accept_equivalent_forms(tmp_notebook):
@@ -742,28 +762,50 @@ def test_measured_bubble_without_exercise_4_is_missing_and_names_it(tmp_notebook
 
 # --- interview ---
 
-INTERVIEW_RIGHT = dict(bubble="7 / 71", peak="8", messages="128", gib="8.0")
+INTERVIEW_RIGHT = dict(bubble="(p - 1) / (m + p - 1)", peak="min(p, m)", messages="2 * m",
+                       gib="2 * m * micro_batch * sequence * hidden * bytes_per_value / 2**30")
 
 
 def interview(**changes) -> str:
     answers = {**INTERVIEW_RIGHT, **changes}
-    return (f"interview_bubble_fraction = {answers['bubble']}\ninterview_peak_micro_batches = {answers['peak']}\n"
-            f"interview_boundary_messages = {answers['messages']}\ninterview_boundary_gib = {answers['gib']}\n")
+    return (f"def interview_bubble_fraction(p, m):\n    return {answers['bubble']}\n\n"
+            f"def interview_peak_micro_batches(p, m):\n    return {answers['peak']}\n\n"
+            f"def interview_boundary_messages(p, m):\n    return {answers['messages']}\n\n"
+            "def interview_boundary_gib(m, micro_batch, sequence, hidden, bytes_per_value):\n"
+            f"    return {answers['gib']}\n")
 
 
 @pytest.mark.parametrize("changes, feedback", [
-    (dict(bubble="7 / 70"), "the source notes' slip"),
-    (dict(bubble="7 / 64"), "relative to the ideal time"),
-    (dict(peak="64"), "more micro-batches do not mean more activations"),
+    (dict(bubble="(p - 1) / (m + p - 2)"), "the source notes' slip"),
+    (dict(bubble="(p - 1) / m"), "relative to the ideal time"),
+    (dict(bubble="7 / 71"), "interview_bubble_fraction("),  # the page's number: right only for the question asked
+    (dict(peak="m"), "that is GPipe's m"),
+    (dict(peak="p"), "never more than the m there are"),
     (dict(messages="1"), "does not send once per step"),
-    (dict(messages="64"), "counts one direction"),
-    (dict(gib="4.0"), "counts one direction"),
-    (dict(gib="0.0625"), "as if the pipeline sent once per step"),
-    (dict(gib="8 * 2**30 / 1e9"), "that is in GB"),
-], ids=["7-over-70", "over-ideal", "gpipe-memory", "once-per-step", "one-direction", "one-direction-gib",
-        "one-activation", "gb"])
+    (dict(messages="m"), "counts one direction"),
+    (dict(messages="2 * m * (p - 1)"), "counts every boundary"),
+    (dict(messages="128"), "interview_boundary_messages("),
+    (dict(gib="m * micro_batch * sequence * hidden * bytes_per_value / 2**30"), "counts one direction"),
+    (dict(gib="micro_batch * sequence * hidden * bytes_per_value / 2**30"), "as if the pipeline sent once per step"),
+    (dict(gib="2 * m * micro_batch * sequence * hidden * bytes_per_value / 1e9"), "that is in GB"),
+    (dict(gib="8.0"), "interview_boundary_gib("),
+], ids=["7-over-70", "over-ideal", "copied-bubble", "gpipe-memory", "p-without-min", "once-per-step",
+        "one-direction", "every-boundary", "copied-messages", "one-direction-gib", "one-activation", "gb",
+        "copied-gib"])
 def test_interview_rejects(tmp_notebook, changes, feedback):
     assert_fails(graded(tmp_notebook, "pp.interview", {"interview_bubble_fraction": interview(**changes)}), feedback)
+
+
+def test_interview_refuses_the_course_functions(tmp_notebook):
+    source = interview(bubble="__import__('dtp.pipeline').pipeline.bubble_fraction(p, m)")
+    result = graded(tmp_notebook, "pp.interview", {"interview_bubble_fraction": source})
+    assert result.status == "failed" and "course's reference" in result.feedback, result
+
+
+def test_interview_asks_the_question_the_notebook_states():
+    questions = pp.interview.Interview().prepare(np.random.default_rng(0))
+    assert questions["interview_bubble_fraction"][0] == (8, 64)
+    assert questions["interview_boundary_gib"][0] == (64, 1, 4096, 8192, 2)
 
 
 def test_every_check_is_registered_with_its_points():

@@ -79,17 +79,6 @@ def describe_call(function: str, args: tuple, kwargs: dict) -> str:
     return f"{function}({', '.join(parts)})"
 
 
-class FixedAnswers(Check):
-    """An interview question with fixed numbers, answered in the notebook's variables `reads`:
-    the sandbox hands over their values and `judge` compares them. A copied number passes such a
-    check, so it is worth few points."""
-
-    timeout_s = 15
-
-    def collect(self, student, inputs):
-        return [getattr(student, name) for name in self.reads]
-
-
 class InterviewQuestions(Check):
     """Interview questions answered as functions of the question's numbers: each function in
     `reads` is called on the question's own numbers (`asked`, as the notebook states them) and on
@@ -121,7 +110,14 @@ class InterviewQuestions(Check):
                 for name in self.reads}
 
     def collect(self, student, questions):
-        return {name: [getattr(student, name)(*args) for args in cases] for name, cases in questions.items()}
+        answers = {}
+        for name, cases in questions.items():
+            function = getattr(student, name)
+            if not callable(function):  # a number copied from the page, as these questions once were
+                raise CheckFailed(f"{name} is a {type(function).__name__}; it should be a function of the question's "
+                                  f"numbers, which the grader calls on the question asked and on others")
+            answers[name] = [function(*args) for args in cases]
+        return answers
 
     def judge(self, questions, answers) -> str:
         for name, cases in questions.items():

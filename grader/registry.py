@@ -23,7 +23,7 @@ from dataclasses import dataclass
 # The course's chapters in reading order; a chapter's checks live in grader/checks/<chapter>.py
 # and the chapter is also the exercise id prefix. A chapter whose module is not written yet is
 # simply not offered.
-COURSE_CHAPTERS = ("memory", "dp", "tp", "pp", "ep", "zero", "topology")
+COURSE_CHAPTERS = ("memory", "dp", "tp", "pp", "ep", "zero", "overlap", "cp", "topology")
 CHAPTER_MODULES = {chapter: f"grader.checks.{chapter}" for chapter in COURSE_CHAPTERS
                    if importlib.util.find_spec(f"grader.checks.{chapter}") is not None}
 

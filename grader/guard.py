@@ -20,6 +20,7 @@ The sandbox is a throwaway process: nothing here is ever undone.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -68,19 +69,33 @@ def _resolve(dotted: str):
     raise ImportError(dotted)
 
 
-def _tripwire(dotted: str, free_variables: int = 0, what: str = "the course's reference"):
-    """A function that trips on `dotted` when called, with `free_variables` unused closure cells
-    (a function's code can only be swapped for code with as many)."""
+_LABEL = "\0label"  # stands for the tripwire's label in its template
+
+
+@functools.lru_cache(maxsize=None)
+def _tripwire_template(free_variables: int, what: str) -> types.CodeType:
+    """Code that trips on `_LABEL`, with `free_variables` unused closure cells (a function's code
+    can only be swapped for code with as many); compiled once, relabelled per function."""
     cells = [f"_cell{i}" for i in range(free_variables)]
     source = ("def outer():\n" + "".join(f"    {cell} = None\n" for cell in cells)
               + "    def tripwire(*args, **kwargs):\n"
               + (f"        {', '.join(cells)}\n" if cells else "")
               + "        import grader.guard\n"
-              + f"        grader.guard.trip({dotted!r}, {what!r})\n"
+              + f"        grader.guard.trip({_LABEL!r}, {what!r})\n"
               + "    return tripwire\n")
     namespace: dict = {}
-    exec(compile(source, f"<{what} {dotted}>", "exec"), namespace)  # noqa: S102
-    return namespace["outer"]()
+    exec(compile(source, f"<{what} tripwire>", "exec"), namespace)  # noqa: S102
+    return namespace["outer"]().__code__
+
+
+def _tripwire_code(label: str, free_variables: int = 0, what: str = "the course's reference") -> types.CodeType:
+    template = _tripwire_template(free_variables, what)
+    return template.replace(co_consts=tuple(label if constant == _LABEL else constant for constant in template.co_consts))
+
+
+def _tripwire(dotted: str):
+    """A function without closure that trips on `dotted` when called."""
+    return types.FunctionType(_tripwire_code(dotted), {"__builtins__": __builtins__}, dotted.rsplit(".", 1)[-1])
 
 
 def _course_source(target) -> str | None:
@@ -150,6 +165,27 @@ def preload(check) -> None:
     if package is not None and package.__name__.startswith(CHECK_PACKAGE + ".") and hasattr(package, "__path__"):
         for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
             importlib.import_module(info.name)
+    # Worked out here once, not in every sandbox: there, walking sys.modules or freeing a cache
+    # writes to pages shared with this process, and each write copies one.
+    loaded = tuple(sorted(module.__name__ for module in _check_modules()))
+    if _index_cache.get("loaded") != loaded:
+        _index_cache.clear()
+        _checks_index()
+        _index_cache["loaded"] = loaded
+    for free_variables in range(3):
+        _tripwire_template(free_variables, GRADER)
+    for path in [path for path in linecache.cache if path.startswith(str(REPO) + os.sep)]:
+        del linecache.cache[path]  # source lines of the checks or the course, read for a traceback
+
+
+_index_cache: dict = {}
+
+
+def _checks_index() -> tuple[list, dict]:
+    """(every function of the checks' modules, their values by name), as `preload` found them."""
+    if not _index_cache:
+        _index_cache.update(functions=_functions_of_checks(), by_name=_by_name(), wrappers=_cached_wrappers())
+    return _index_cache["functions"], _index_cache["by_name"]
 
 
 def _check_modules() -> list[types.ModuleType]:
@@ -208,10 +244,10 @@ def _names_in(code: types.CodeType) -> set[str]:
     return names
 
 
-def _by_name(instance_attributes: dict) -> dict[str, list]:
-    """name -> the values of the checks' modules known by that name (a module global, a class or
-    check attribute), which code that mentions the name may reach."""
-    index: dict[str, list] = {name: [value] for name, value in instance_attributes.items()}
+def _by_name() -> dict[str, list]:
+    """name -> the values of the checks' modules known by that name (a module global, a class
+    attribute), which code that mentions the name may reach."""
+    index: dict[str, list] = {}
     for module in _check_modules():
         for name, value in vars(module).items():
             if not isinstance(value, types.ModuleType):
@@ -226,7 +262,7 @@ def _reachable(roots: list, instance_attributes: dict) -> set[int]:
     """ids of the functions of the checks' modules that `roots` can reach: by name, through
     closures, defaults, classes and containers. An over-approximation: a name in common with
     an unrelated method keeps that method too, never the other way round."""
-    index, kept, seen, pending = _by_name(instance_attributes), set(), set(), list(roots)
+    index, kept, seen, pending = _checks_index()[1], set(), set(), list(roots)
     while pending:
         value = pending.pop()
         if id(value) in seen or value is None or isinstance(value, types.ModuleType):
@@ -236,6 +272,8 @@ def _reachable(roots: list, instance_attributes: dict) -> set[int]:
             kept.add(id(value))
             for name in _names_in(value.__code__):
                 pending.extend(index.get(name, ()))
+                if name in instance_attributes:  # an attribute the check set on itself
+                    pending.append(instance_attributes[name])
         pending.extend(_members(value))
     return kept
 
@@ -266,8 +304,7 @@ def _functions_of_checks() -> list[types.FunctionType]:
 
 
 def _neutralize(function: types.FunctionType) -> None:
-    label = function.__qualname__
-    function.__code__ = _tripwire(label, len(function.__code__.co_freevars), GRADER).__code__
+    function.__code__ = _tripwire_code(function.__qualname__, len(function.__code__.co_freevars), GRADER)
     cache_clear = getattr(function, "cache_clear", None)
     if callable(cache_clear):
         cache_clear()
@@ -279,14 +316,13 @@ def seal(check, inputs, grader_steps: tuple = ()) -> None:
     grader's own judging functions), trips when called."""
     collect = inspect.unwrap(type(check).collect)
     kept = _reachable([collect, inputs], vars(check))
-    for function in _functions_of_checks():
+    for function in _checks_index()[0]:
         if id(function) not in kept:
             _neutralize(function)
-    for wrapper in _cached_wrappers():
+    for wrapper in _index_cache["wrappers"]:
         wrapper.cache_clear()  # results an oracle computed in the grader before this fork
     for function in grader_steps:
         _neutralize(function)
-    linecache.clearcache()  # source lines the grader read (a traceback, inspect) of files now out of reach
 
 
 def _cached_wrappers() -> list:

@@ -79,10 +79,15 @@ class _PathBeneathAttr(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-def _syscall(number: int, *args) -> int:
+@functools.lru_cache(maxsize=1)
+def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    result = libc.syscall(ctypes.c_long(number), *args)
+    return libc
+
+
+def _syscall(number: int, *args) -> int:
+    result = _libc().syscall(ctypes.c_long(number), *args)
     if result < 0:
         error = ctypes.get_errno()
         raise OSError(error, f"Landlock system call {number}: {os.strerror(error)}")
@@ -195,8 +200,7 @@ def confine(rules: list[tuple[str, int]]) -> None:
                          ctypes.c_uint32(0))
             finally:
                 os.close(fd)
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        if _libc().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         _syscall(_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0))
     finally:

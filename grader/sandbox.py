@@ -169,7 +169,7 @@ def memory_cap_bytes() -> int | None:
 
 
 def _sandbox_main(task, writer, to_grader, scratch_dir: str, workdir: str | None, warden_pid: int,
-                  timeout_s: float) -> None:
+                  timeout_s: float, rules: list | None) -> None:
     global _child_deadline
     _child_deadline = time.monotonic() + timeout_s
     die_with_parent(warden_pid)
@@ -191,9 +191,9 @@ def _sandbox_main(task, writer, to_grader, scratch_dir: str, workdir: str | None
     if workdir:
         os.chdir(workdir)  # relative paths and imports mean what they mean in the learner's kernel
         sys.path.insert(0, workdir)
-    if landlock.abi_version():
+    if rules is not None:
         try:
-            landlock.confine(landlock.sandbox_rules(workdir or os.getcwd(), scratch_dir))
+            landlock.confine(rules)
         except OSError:
             os._exit(_UNCONFINED_EXIT)  # never run learner code less confined than the report says
     # The learner's prints must not interleave with the grader's report or a kernel's streams,
@@ -219,7 +219,7 @@ def _raise_stop(signum, frame):
     raise _Stop
 
 
-def _warden_main(task, to_grader, scratch_dir, workdir, grader_pid, timeout_s) -> None:
+def _warden_main(task, to_grader, scratch_dir, workdir, grader_pid, timeout_s, rules) -> None:
     """Start the sandbox, wait for its result, its end or the time limit, kill everything below,
     then report to the grader: a JSON header line, and the sandbox's bytes if it returned."""
     header, payload = {"kind": "timeout"}, b""
@@ -232,7 +232,7 @@ def _warden_main(task, to_grader, scratch_dir, workdir, grader_pid, timeout_s) -
         context = multiprocessing.get_context("fork")
         reader, writer = context.Pipe(duplex=False)
         sandbox = context.Process(target=_sandbox_main, daemon=False,
-                                  args=(task, writer, to_grader, scratch_dir, workdir, os.getpid(), timeout_s))
+                                  args=(task, writer, to_grader, scratch_dir, workdir, os.getpid(), timeout_s, rules))
         sandbox.start()
         writer.close()
         deadline = time.monotonic() + timeout_s
@@ -294,8 +294,10 @@ def run_isolated(task, timeout_s: float, workdir: str | None = None) -> ChildOut
     reader, writer = context.Pipe(duplex=False)
     _remove_orphaned_scratch_dirs()
     scratch_dir = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
+    # Worked out here, once, rather than in each forked sandbox (whose every write copies a page).
+    rules = landlock.sandbox_rules(workdir or os.getcwd(), scratch_dir) if landlock.abi_version() else None
     warden = context.Process(target=_warden_main, daemon=False,
-                             args=(task, writer, scratch_dir, workdir, os.getpid(), timeout_s))
+                             args=(task, writer, scratch_dir, workdir, os.getpid(), timeout_s, rules))
     warden.start()
     writer.close()
     try:

@@ -200,6 +200,78 @@ class SavedForBackward:
         self._hooks.__exit__(*exc)
 
 
+class Dataflow(TorchDispatchMode):
+    """`with Dataflow() as flow:` records every torch operation a rank runs (forward and backward)
+    as a node (operation name, the earlier nodes whose outputs it read), so that one can ask which
+    matrix multiplies a collective could overlap with: those that neither feed it nor read its
+    result. Tensors are told apart by their storage (views and in-place results share it); every
+    tensor is kept alive meanwhile, so no storage is reused."""
+
+    MATMULS = ("mm", "addmm", "bmm", "baddbmm")
+    COLLECTIVES = ("allreduce_", "allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_",
+                   "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_")
+
+    def __init__(self):
+        super().__init__()
+        self.nodes: list[tuple[str, frozenset[int]]] = []
+        self._producer: dict[int, int] = {}
+        self._alive: list[torch.Tensor] = []
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as TensorShapes: never compiled, so skip importing dynamo in every rank
+
+    def mark(self) -> int:
+        """The index the next node will get (to cut the record into passes)."""
+        return len(self.nodes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+        result = func(*args, **(kwargs or {}))
+        reads = frozenset(self._producer[key] for key in map(self._storage, inputs) if key in self._producer)
+        self.nodes.append((func.overloadpacket.__name__, reads))
+        for tensor in tree_leaves(result):
+            if isinstance(tensor, torch.Tensor):
+                self._producer[self._storage(tensor)] = len(self.nodes) - 1
+                self._alive.append(tensor)
+        self._alive += inputs
+        return result
+
+    @staticmethod
+    def _storage(tensor: torch.Tensor) -> int:
+        try:
+            return tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage
+            return id(tensor)
+
+    def overlappable_matmuls(self, start: int, stop: int) -> list[tuple[str, int]]:
+        """For each collective among nodes [start, stop): (its name, how many matrix multiplies in
+        [start, stop) neither lead to it nor depend on it), i.e. could run while it runs."""
+        readers: dict[int, list[int]] = {}
+        for index, (_, reads) in enumerate(self.nodes):
+            for read in reads:
+                readers.setdefault(read, []).append(index)
+
+        def closure(index, edges):
+            seen, todo = set(), [index]
+            while todo:
+                for other in edges(todo.pop()):
+                    if other not in seen:
+                        seen.add(other)
+                        todo.append(other)
+            return seen
+
+        found = []
+        for index in range(start, stop):
+            name = self.nodes[index][0]
+            if name not in self.COLLECTIVES:
+                continue
+            related = closure(index, lambda i: self.nodes[i][1]) | closure(index, lambda i: readers.get(i, ()))
+            free = [i for i in range(start, stop) if self.nodes[i][0] in self.MATMULS and i not in related]
+            found.append((name, len(free)))
+        return found
+
+
 def rows_found(kept: np.ndarray, rows: np.ndarray, atol: float) -> int:
     """How many of `rows` (shape (R, h)) appear, within atol, among the h-vectors of `kept` (any
     tensor whose size h divides, read as rows of h consecutive values, as (b, s, h) and

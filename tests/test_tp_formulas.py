@@ -236,3 +236,42 @@ def test_communication_to_compute_ratio_is_the_two_times_of_a_layer():
         communication = tp.layer_communication_time_s(tokens, hidden, t, link, element)
         compute = tp.layer_training_flops(tokens, seq, hidden) / t / flops
         assert tp.communication_to_compute_ratio(seq, hidden, t, element, link, flops) == pytest.approx(communication / compute)
+
+
+def _overlappable(rank, world_size, block_class, x, sequence_parallel):
+    blocks = [block_class(tp.random_block(x.shape[-1], 4, seed)) for seed in (0, 1)]
+    x = (x.chunk(world_size, dim=1)[rank] if sequence_parallel else x).clone().requires_grad_()
+    with tp.Dataflow() as flow:
+        out = blocks[1](blocks[0](x))
+        middle = flow.mark()
+        out.backward(torch.ones_like(out))
+    return flow.overlappable_matmuls(0, middle), flow.overlappable_matmuls(middle, flow.mark())
+
+
+def test_forward_collectives_feed_the_next_matmul_backward_ones_can_overlap_weight_gradients(course):
+    """The page's claim (issue 21, 1): in forward no matrix multiply is independent of g's
+    all-reduce (its output feeds the residual, the LayerNorm and the next GEMM); in backward each
+    input-gradient all-reduce can run beside weight-gradient GEMMs, and the sequence-parallel
+    re-gather beside the input-gradient GEMMs."""
+    x = torch.randn(2, 4, 16)
+    forward, backward = run_world(_overlappable, 2, (course.TensorParallelBlock, x, False))[0]
+    assert [op for op, _ in forward] == ["allreduce_"] * 4 and all(free == 0 for _, free in forward)
+    assert [op for op, _ in backward] == ["allreduce_"] * 4 and all(free >= 2 for _, free in backward)
+    forward, backward = run_world(_overlappable, 2, (course.SequenceParallelBlock, x, True))[0]
+    assert all(free == 0 for _, free in forward)
+    assert sum(op == "_allgather_base_" and free > 0 for op, free in backward) >= 4  # the re-gathers, at least
+
+
+def test_dataflow_follows_views_and_in_place_results():
+    a = torch.randn(4, 4)
+    with tp.Dataflow() as flow:
+        b = a @ a            # independent of the in-place chain below
+        c = a.clone()
+        c.mul_(2)            # in place: c's producer is now mul_
+        d = c.view(16) @ torch.ones(16)
+    names = [name for name, _ in flow.nodes]
+    assert flow.nodes[names.index("mul_")][1] == {names.index("clone")}
+    assert names.index("view") in flow.nodes[names.index("dot")][1]
+    assert flow.nodes[names.index("view")][1] == {names.index("mul_")}  # the view reads the in-place result
+    assert flow.nodes[names.index("mm")][1] == set()
+    assert b.shape == (4, 4) and d.shape == ()

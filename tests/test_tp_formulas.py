@@ -275,3 +275,24 @@ def test_dataflow_follows_views_and_in_place_results():
     assert flow.nodes[names.index("view")][1] == {names.index("mul_")}  # the view reads the in-place result
     assert flow.nodes[names.index("mm")][1] == set()
     assert b.shape == (4, 4) and d.shape == ()
+
+
+def _dtensor_counts(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mlp = parallelize_module(tp.random_block(16, 4, seed=0).mlp, init_device_mesh("cpu", (world_size,)),
+                             {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    with CommDebugMode() as comm, CommunicationLog() as log:
+        mlp(x).sum().backward()
+    collectives = log.of("all_reduce", "all_gather", "reduce_scatter")
+    return comm.get_total_counts(), len(collectives), all(event.get("functional") for event in collectives)
+
+
+def test_the_communication_log_sees_every_dtensor_collective():
+    """The page states how many of DTensor's collectives the log saw (issue 21, 2): on the pinned
+    torch, all of them, as functional collectives, one all-reduce per pass."""
+    for counted, logged, functional in run_world(_dtensor_counts, 2):
+        assert counted == logged == 2 and functional

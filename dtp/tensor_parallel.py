@@ -51,11 +51,21 @@ def all_reduce_message_bytes(tokens: int, hidden: int, bytes_per_element: int = 
 def ring_bytes_per_gpu_per_layer(tokens: int, hidden: int, t: int, bytes_per_element: int = 2,
                                  passes: tuple[str, ...] = ("forward", "backward")) -> float:
     """Bytes each GPU sends per transformer layer in the given passes: 2 all-reduces per pass,
-    each 2(t-1)/t·S in a ring. Sequence parallelism sends the same: an all-gather and a
-    reduce-scatter of (t-1)/t·S each replace each all-reduce."""
+    each 2(t-1)/t·S in a ring. Sequence parallelism: see sequence_parallel_ring_bytes_per_gpu_per_layer."""
     size = all_reduce_message_bytes(tokens, hidden, bytes_per_element)
     count = sum(ALL_REDUCES_PER_LAYER[p] for p in passes)
     return count * costs.ring_all_reduce_bytes_per_rank(t, size)
+
+
+def sequence_parallel_ring_bytes_per_gpu_per_layer(tokens: int, hidden: int, t: int, bytes_per_element: int = 2,
+                                                   regather: bool = True) -> float:
+    """Bytes each GPU sends per layer, forward and backward, with sequence parallelism in a ring.
+    An all-gather or a reduce-scatter sends (t-1)/t·S, half an all-reduce: each all-reduce of
+    tensor parallelism becomes one of each, 8(t-1)/t·S as for TP. Re-gathering the QKV and first
+    MLP projections' input pieces in backward (which the 4sbh(1-1/t) of the activation saving
+    needs) adds 2 all-gathers: 10(t-1)/t·S, 5/4 of tensor parallelism's traffic."""
+    halves = 2 * sum(ALL_REDUCES_PER_LAYER.values()) + (2 if regather else 0)
+    return halves * costs.ring_all_reduce_bytes_per_rank(t, all_reduce_message_bytes(tokens, hidden, bytes_per_element)) / 2
 
 
 def layer_communication_time_s(tokens: int, hidden: int, t: int, bandwidth_bytes_per_s: float,

@@ -100,21 +100,25 @@ def keeping_gathered_inputs(course):
 
 
 @pytest.mark.parametrize("t", [2, 4])
-def test_sequence_parallelism_sends_what_tensor_parallelism_sends(course, t):
+def test_sequence_parallelism_sends_what_tensor_parallelism_sends_plus_the_regather(course, t):
     """An all-gather of S/t per rank forwards t-1 pieces: (t-1)/t·S; a reduce-scatter of S sends
     (t-1)/t·S in a ring: together the 2(t-1)/t·S of the all-reduce they replace. Gathering the
-    kept piece again in backward (exercise 5) adds 2 all-gathers to the backward."""
+    kept piece again in backward (exercise 5) adds 2 all-gathers to the backward: 10(t-1)/t·S,
+    a quarter more than tensor parallelism (issue 21, 3)."""
     batch, seq, hidden = 2, 4, 16
     x = torch.randn(batch, seq, hidden)
-    for outcome in run_world(_block_traffic, t, (keeping_gathered_inputs(course), None, x, True)):
-        ring_bytes = 0.0
-        for phase in ("forward", "backward"):
-            assert sorted(outcome[phase]) == ["all_gather", "reduce_scatter"]
-            ring_bytes += sum((t - 1) * size for size in outcome[phase]["all_gather"])
-            ring_bytes += sum((t - 1) / t * size for size in outcome[phase]["reduce_scatter"])
-        assert ring_bytes == pytest.approx(tp.ring_bytes_per_gpu_per_layer(batch * seq, hidden, t, 4))
-    for outcome in run_world(_block_traffic, t, (course.SequenceParallelBlock, None, x, True)):
-        assert len(outcome["backward"]["all_gather"]) == 4 and len(outcome["backward"]["reduce_scatter"]) == 2
+    tensor_parallel = tp.ring_bytes_per_gpu_per_layer(batch * seq, hidden, t, 4)
+    for block, regather in ((keeping_gathered_inputs(course), False), (course.SequenceParallelBlock, True)):
+        for outcome in run_world(_block_traffic, t, (block, None, x, True)):
+            ring_bytes = 0.0
+            for phase in ("forward", "backward"):
+                assert sorted(outcome[phase]) == ["all_gather", "reduce_scatter"]
+                ring_bytes += sum((t - 1) * size for size in outcome[phase]["all_gather"])
+                ring_bytes += sum((t - 1) / t * size for size in outcome[phase]["reduce_scatter"])
+            assert len(outcome["backward"]["all_gather"]) == (4 if regather else 2)
+            assert ring_bytes == pytest.approx(tp.sequence_parallel_ring_bytes_per_gpu_per_layer(
+                batch * seq, hidden, t, 4, regather=regather))
+            assert ring_bytes == pytest.approx(tensor_parallel * (1.25 if regather else 1))
 
 
 def test_layer_flops_match_the_flop_counter_and_the_memory_chapter():

@@ -8,6 +8,7 @@ against a count on a real gloo world or against dtp.memory.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -160,6 +161,41 @@ def random_block(hidden: int, heads: int, seed: int, dropout: float = 0.0) -> Bl
         vectors = torch.cat([p.detach() for p in block.parameters() if p.dim() == 1])
         if len(torch.unique(vectors)) == len(vectors):
             return block
+
+
+# --- random numbers: dropout inside and outside the parallel regions ---------------------------
+
+
+class ModelParallelRNG:
+    """Two random streams per rank, after Megatron-LM's RNG tracker
+    (`model_parallel_cuda_manual_seed`), on the CPU generator that dropout draws from:
+
+    - outside the parallel regions (LayerNorms, residual dropout), every TP rank holds the same
+      whole tensor, so it must draw the same mask: the default generator is seeded with `seed`
+      on every rank of the group;
+    - inside them (attention dropout on a rank's own heads, anything on its own columns), the
+      ranks hold different parts of one tensor, which a single GPU would mask independently: the
+      region's generator is seeded with seed + 2718 + tp_rank, different on every rank.
+
+    `with rng.parallel_region(): ...` swaps the region's stream in and out, each continuing where
+    it stopped. (Data-parallel replicas take different `seed`s, as they see different data.)"""
+
+    OFFSET = 2718  # Megatron-LM's offset between the two streams' seeds
+
+    def __init__(self, seed: int, tp_rank: int):
+        torch.manual_seed(seed + self.OFFSET + tp_rank)
+        self._region_state = torch.get_rng_state()
+        torch.manual_seed(seed)  # the default stream, the same on every TP rank
+
+    @contextlib.contextmanager
+    def parallel_region(self):
+        outside = torch.get_rng_state()
+        torch.set_rng_state(self._region_state)
+        try:
+            yield
+        finally:
+            self._region_state = torch.get_rng_state()
+            torch.set_rng_state(outside)
 
 
 # --- measuring what a rank does ------------------------------------------------------------------

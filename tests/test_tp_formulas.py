@@ -300,3 +300,25 @@ def test_the_communication_log_sees_every_dtensor_collective():
     torch, all of them, as functional collectives, one all-reduce per pass."""
     for counted, logged, functional in run_world(_dtensor_counts, 2):
         assert counted == logged == 2 and functional
+
+
+def _dropout_masks(rank, world_size, seed):
+    rng = tp.ModelParallelRNG(seed, rank)
+    ones = torch.ones(2, 4, 8, 8)
+    with rng.parallel_region():
+        inside = [torch.nn.functional.dropout(ones, 0.5) > 0 for _ in range(2)]
+    outside = torch.nn.functional.dropout(ones, 0.5) > 0
+    with rng.parallel_region():
+        inside.append(torch.nn.functional.dropout(ones, 0.5) > 0)
+    return inside, outside
+
+
+def test_model_parallel_rng_draws_the_same_outside_and_different_inside_the_regions():
+    """Issue 21, 4: the replicated regions draw one mask on every TP rank, the parallel regions
+    independent ones, and each stream continues where it stopped (no mask repeats)."""
+    (inside_0, outside_0), (inside_1, outside_1) = run_world(_dropout_masks, 2, (7,))
+    assert torch.equal(outside_0, outside_1)
+    masks = inside_0 + inside_1 + [outside_0]
+    assert all(not torch.equal(a, b) for i, a in enumerate(masks) for b in masks[i + 1:])
+    torch.manual_seed(7)  # the default stream is the plain seed: a rank outside TP draws the same
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(2, 4, 8, 8), 0.5) > 0, outside_0)

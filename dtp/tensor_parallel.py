@@ -87,7 +87,8 @@ def communication_to_compute_ratio(seq: int, hidden: int, t: int, bytes_per_elem
                                    flops_per_s: float, mlp_ratio: int = 4) -> float:
     """Per layer and GPU, forward and backward: the time to send the ring traffic at a
     per-direction bandwidth over the time of the GPU's 1/t of the matrix multiplies at a FLOP
-    rate. The tokens cancel: 8(t-1)·h·e·F / (B·((24 + 12r)h² + 12sh))."""
+    rate. The tokens cancel: 8(t-1)·h·e·F / (B·((24 + 12r)h² + 12sh)), which for r = 4 is
+    2(t-1)·e·F / (3·B·(6h + s)): it grows with t and falls with h (and s)."""
     tokens = 1  # both times grow with the tokens
     communication = layer_communication_time_s(tokens, hidden, t, link_bytes_per_s, bytes_per_element)
     compute = layer_training_flops(tokens, seq, hidden, mlp_ratio) / t / flops_per_s

@@ -322,3 +322,18 @@ def test_model_parallel_rng_draws_the_same_outside_and_different_inside_the_regi
     assert all(not torch.equal(a, b) for i, a in enumerate(masks) for b in masks[i + 1:])
     torch.manual_seed(7)  # the default stream is the plain seed: a rank outside TP draws the same
     assert torch.equal(torch.nn.functional.dropout(torch.ones(2, 4, 8, 8), 0.5) > 0, outside_0)
+
+
+def test_communication_to_compute_ratio_grows_with_t_and_falls_with_h():
+    """The page's derivation (issue 21, 5): 2(t-1)·e·F / (3·B·(6h + s)) for the 4h MLP, whatever
+    the tokens; the page's example gives about 0.38 on NVLink and 9 times that on InfiniBand."""
+    for seq, hidden, t, element, link, flops in [(4096, 8192, 8, 2, 450e9, 989.4e12), (1024, 2048, 2, 4, 50e9, 312e12)]:
+        closed_form = 2 * (t - 1) * element * flops / (3 * link * (6 * hidden + seq))
+        assert tp.communication_to_compute_ratio(seq, hidden, t, element, link, flops) == pytest.approx(closed_form)
+    ratio = functools.partial(tp.communication_to_compute_ratio, bytes_per_element=2, link_bytes_per_s=450e9,
+                              flops_per_s=989.4e12)
+    by_t = [ratio(4096, 8192, t) for t in (2, 4, 8, 16)]
+    by_h = [ratio(4096, h, 8) for h in (2048, 4096, 8192, 16384)]
+    assert by_t == sorted(by_t) and by_h == sorted(by_h, reverse=True)
+    assert ratio(4096, 8192, 8) == pytest.approx(0.385, abs=1e-3)
+    assert ratio(4096, 8192, 8, link_bytes_per_s=50e9) == pytest.approx(9 * ratio(4096, 8192, 8))

@@ -136,6 +136,68 @@ def shard_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (index < extra)
 
 
+def kv_heads_of_rank(query_heads: int, kv_heads: int, t: int, rank: int) -> tuple[range, range]:
+    """Grouped-query attention split by heads: (the query heads, the key/value heads) that GPU
+    `rank` of t holds. Query head j attends with KV head j // (query_heads / kv_heads); each GPU
+    takes query_heads / t consecutive query heads, so t must divide the query heads, and either t
+    divides the KV heads (each GPU holds kv_heads / t of them) or the KV heads divide t (each KV
+    head is replicated on t / kv_heads GPUs, which hold its weights and compute it alike)."""
+    if query_heads % t or query_heads % kv_heads:
+        raise ValueError(f"{query_heads} query heads split neither over t = {t} GPUs nor into {kv_heads} groups")
+    if kv_heads % t and t % kv_heads:
+        raise ValueError(f"{kv_heads} KV heads neither split over t = {t} GPUs nor replicate evenly on them")
+    per_rank, group = query_heads // t, query_heads // kv_heads
+    queries = range(rank * per_rank, (rank + 1) * per_rank)
+    return queries, range(queries[0] // group, queries[-1] // group + 1)
+
+
+def grouped_query_attention_split(query_heads: int, kv_heads: int, t: int, hidden: int = 32, seq: int = 6,
+                                  seed: int = 0) -> dict[str, float]:
+    """Runs GQA attention (projections, causal softmax) whole and split over t simulated GPUs by
+    kv_heads_of_rank, forward and backward, and returns the largest errors against the whole:
+    of the outputs, of the query-projection gradients, of the KV-projection gradients summed over
+    the GPUs that share a KV head, and of one replica's KV gradient taken alone (relative to the
+    largest whole gradient, as it is not rounding)."""
+    generator = torch.Generator().manual_seed(seed)
+    head = hidden // query_heads
+    x = torch.randn(seq, hidden, generator=generator, dtype=torch.float64)
+    upstream = torch.randn(seq, query_heads * head, generator=generator, dtype=torch.float64)
+    weights = {name: torch.randn(hidden, heads * head, generator=generator, dtype=torch.float64)
+               for name, heads in (("q", query_heads), ("k", kv_heads), ("v", kv_heads))}
+
+    def attention(wq, wk, wv, heads, groups):  # heads query heads over `groups` KV heads
+        q, k, v = ((x @ w).view(seq, -1, head).transpose(0, 1) for w in (wq, wk, wv))
+        k, v = (z.repeat_interleave(heads // groups, dim=0) for z in (k, v))
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        scores = (q @ k.transpose(1, 2) / math.sqrt(head)).masked_fill(~causal, float("-inf"))
+        return (scores.softmax(-1) @ v).transpose(0, 1).reshape(seq, heads * head)
+
+    def columns(heads):
+        return [c for j in heads for c in range(j * head, (j + 1) * head)]
+
+    dense = {name: w.clone().requires_grad_() for name, w in weights.items()}
+    whole = attention(dense["q"], dense["k"], dense["v"], query_heads, kv_heads)
+    (whole * upstream).sum().backward()
+    outputs, q_grads, kv_sums, alone = [], [], {"k": torch.zeros_like(weights["k"]), "v": torch.zeros_like(weights["v"])}, 0.0
+    for rank in range(t):
+        queries, keys = kv_heads_of_rank(query_heads, kv_heads, t, rank)
+        mine = {"q": weights["q"][:, columns(queries)].clone().requires_grad_(),
+                **{name: weights[name][:, columns(keys)].clone().requires_grad_() for name in ("k", "v")}}
+        out = attention(mine["q"], mine["k"], mine["v"], len(queries), len(keys))
+        (out * upstream[:, columns(queries)]).sum().backward()
+        outputs.append(out)
+        q_grads.append(mine["q"].grad)
+        for name in ("k", "v"):
+            kv_sums[name][:, columns(keys)] += mine[name].grad
+            expected = dense[name].grad[:, columns(keys)]
+            alone = max(alone, float((mine[name].grad - expected).abs().max() / expected.abs().max()))
+    whole = whole.detach()
+    return {"output": float((torch.cat(outputs, dim=1).detach() - whole).abs().max()),
+            "query_gradient": float((torch.cat(q_grads, dim=1) - dense["q"].grad).abs().max()),
+            "kv_gradient_summed": max(float((kv_sums[n] - dense[n].grad).abs().max()) for n in ("k", "v")),
+            "kv_gradient_one_replica": alone}
+
+
 def gelu_numpy(x: np.ndarray) -> np.ndarray:
     """The exact GeLU, x·Φ(x), elementwise (torch.nn.functional.gelu's default)."""
     x = np.asarray(x, dtype=np.float64)

@@ -337,3 +337,18 @@ def test_communication_to_compute_ratio_grows_with_t_and_falls_with_h():
     assert by_t == sorted(by_t) and by_h == sorted(by_h, reverse=True)
     assert ratio(4096, 8192, 8) == pytest.approx(0.385, abs=1e-3)
     assert ratio(4096, 8192, 8, link_bytes_per_s=50e9) == pytest.approx(9 * ratio(4096, 8192, 8))
+
+
+def test_grouped_query_attention_splits_by_query_heads_and_replicates_fewer_kv_heads():
+    """Issue 21, 6: t divides the query heads; KV heads are split when t divides them and
+    replicated on t/k GPUs when k < t, and then the replicas' KV gradients must be summed."""
+    assert [tuple(map(list, tp.kv_heads_of_rank(8, 2, 4, r))) for r in range(4)] == \
+        [([0, 1], [0]), ([2, 3], [0]), ([4, 5], [1]), ([6, 7], [1])]
+    assert [list(tp.kv_heads_of_rank(64, 8, 8, r)[1]) for r in range(8)] == [[r] for r in range(8)]
+    for query_heads, kv_heads, t in [(8, 3, 2), (8, 2, 3), (6, 4, 2), (16, 4, 8 * 3)]:
+        with pytest.raises(ValueError):
+            tp.kv_heads_of_rank(query_heads, kv_heads, t, 0)
+    for query_heads, kv_heads, t in [(8, 8, 4), (8, 4, 2), (8, 2, 4), (8, 1, 8), (16, 4, 8)]:
+        errors = tp.grouped_query_attention_split(query_heads, kv_heads, t)
+        assert max(errors["output"], errors["query_gradient"], errors["kv_gradient_summed"]) < 1e-12
+        assert (errors["kv_gradient_one_replica"] > 0.1) == (kv_heads < t)

@@ -15,7 +15,7 @@ from . import landlock
 from .notebook import UnusableInput, read_course_notebook
 from .registry import find_exercise
 from .report import format_table, write_json
-from .sandbox import make_undumpable
+from .sandbox import GRADER_CACHE_PREFIX, make_undumpable
 
 EXIT_GRADED, EXIT_UNUSABLE_INPUT, EXIT_INTERRUPTED = 0, 2, 130
 
@@ -57,7 +57,7 @@ def _private_torch_caches():
     """Parts of torch (its compiler stack, which some chapters' libraries load) create cache
     folders in the temporary folder as they are imported. Give them one of the grader's own,
     removed when grading ends, so that nothing is left in the user's temporary folder."""
-    folder = tempfile.mkdtemp(prefix=f"dtp-grader-{os.getpid()}-")
+    folder = tempfile.mkdtemp(prefix=f"{GRADER_CACHE_PREFIX}{os.getpid()}-")
     saved = {name: os.environ.get(name) for name in _TORCH_CACHE_VARIABLES}
     os.environ.update({name: os.path.join(folder, name.lower()) for name in _TORCH_CACHE_VARIABLES})
     try:

@@ -42,6 +42,7 @@ _PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER = 38, 36
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 SCRATCH_PREFIX = "dtp-sandbox-"
+GRADER_CACHE_PREFIX = "dtp-grader-"  # grader/cli.py's folder for torch's caches
 _WARDEN_SLACK_S = 15.0  # how long past the time limit the grader waits for its warden's report
 _UNCONFINED_EXIT = 121  # the sandbox's exit status when the kernel refused its Landlock rules
 
@@ -276,13 +277,15 @@ class ChildOutcome:
 
 
 def _remove_orphaned_scratch_dirs() -> None:
-    """Scratch folders of graders that were killed outright (SIGKILL runs no clean-up): their
-    names carry the grader's pid, so a folder whose grader is gone can go."""
+    """Scratch folders (and the CLI's torch cache folders) of graders that were killed outright
+    (SIGKILL runs no clean-up): their names carry the grader's pid, so a folder whose grader is
+    gone can go."""
     root = tempfile.gettempdir()
     for name in os.listdir(root):
-        if not name.startswith(SCRATCH_PREFIX):
+        prefix = next((p for p in (SCRATCH_PREFIX, GRADER_CACHE_PREFIX) if name.startswith(p)), None)
+        if prefix is None:
             continue
-        owner = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        owner = name[len(prefix):].split("-", 1)[0]
         if owner.isdigit() and not os.path.exists(f"/proc/{owner}") and os.path.isdir("/proc/self"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 

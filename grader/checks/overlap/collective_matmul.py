@@ -101,7 +101,7 @@ class CollectiveMatmul(Check):
     to fill the gaps change the count of t products."""
 
     reads = ("collective_matmul",)
-    references = ("torch.distributed.all_gather", "torch.distributed.all_gather_into_tensor")
+    references = ()  # no course code computes it; an all-gather is judged from the recorded operations instead
     timeout_s = 40
     runs_world = True
 

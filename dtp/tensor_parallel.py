@@ -44,6 +44,15 @@ def gigabits_to_bytes_per_s(gigabits_per_s: float) -> float:
 ALL_REDUCES_PER_LAYER = {"forward": 2, "backward": 2}  # Shoeybi et al. 2019, figure 4
 
 
+def all_reduces_per_layer(full_recomputation: bool = False) -> dict[str, int]:
+    """The all-reduces of one layer in each pass. Full recomputation (activation checkpointing of
+    the whole layer) runs the layer's forward again in backward, and with it g's two
+    all-reduces: 2 + 4 = 6 per layer instead of 4. (Selective recomputation re-runs only the
+    attention core, between the all-reduces, and adds none.)"""
+    backward = ALL_REDUCES_PER_LAYER["backward"] + (ALL_REDUCES_PER_LAYER["forward"] if full_recomputation else 0)
+    return {"forward": ALL_REDUCES_PER_LAYER["forward"], "backward": backward}
+
+
 def all_reduce_message_bytes(tokens: int, hidden: int, bytes_per_element: int = 2) -> int:
     """S = b·s·h·e: one all-reduce of tensor parallelism sums an activation of every token."""
     return tokens * hidden * bytes_per_element

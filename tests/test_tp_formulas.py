@@ -352,3 +352,34 @@ def test_grouped_query_attention_splits_by_query_heads_and_replicates_fewer_kv_h
         errors = tp.grouped_query_attention_split(query_heads, kv_heads, t)
         assert max(errors["output"], errors["query_gradient"], errors["kv_gradient_summed"]) < 1e-12
         assert (errors["kv_gradient_one_replica"] > 0.1) == (kv_heads < t)
+
+
+def _recomputed_traffic(rank, world_size, block_class, x, reentrant, early_stop):
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    parallel = block_class(tp.random_block(x.shape[-1], 4, 0))
+    x = x.clone().requires_grad_()
+    with CommunicationLog() as log:
+        log.mark("forward")
+        with set_checkpoint_early_stop(early_stop):
+            out = checkpoint(parallel, x, use_reentrant=reentrant)
+        log.mark("backward")
+        out.backward(torch.ones_like(out))
+        log.mark("done")
+    events = events_as_data(log)
+    return {"forward": tp.summarize(tp.events_between(events, "forward", "backward")),
+            "backward": tp.summarize(tp.events_between(events, "backward", "done"))}
+
+
+@pytest.mark.parametrize("reentrant, early_stop, backward", [(True, True, 4), (False, False, 4), (False, True, 3)])
+def test_full_recomputation_issues_the_forward_all_reduces_again(course, reentrant, early_stop, backward):
+    """Issue 21, 7: a fully recomputed TP layer all-reduces 2 times in forward and 4 in backward
+    (the page's 6 per layer). On the pinned torch, the non-reentrant checkpoint's default early
+    stop ends the recomputation once backward has what it needs, before the layer's last g:
+    3 in backward. The page measures all three."""
+    x = torch.randn(2, 3, 16)
+    size = tp.all_reduce_message_bytes(6, 16, bytes_per_element=4)
+    full = tp.all_reduces_per_layer(full_recomputation=True)
+    assert full == {"forward": 2, "backward": 4} and tp.all_reduces_per_layer() == tp.ALL_REDUCES_PER_LAYER
+    for outcome in run_world(_recomputed_traffic, 2, (course.TensorParallelBlock, x, reentrant, early_stop)):
+        assert outcome == {"forward": {"all_reduce": [size] * 2}, "backward": {"all_reduce": [size] * backward}}

@@ -383,3 +383,17 @@ def test_full_recomputation_issues_the_forward_all_reduces_again(course, reentra
     assert full == {"forward": 2, "backward": 4} and tp.all_reduces_per_layer() == tp.ALL_REDUCES_PER_LAYER
     for outcome in run_world(_recomputed_traffic, 2, (course.TensorParallelBlock, x, reentrant, early_stop)):
         assert outcome == {"forward": {"all_reduce": [size] * 2}, "backward": {"all_reduce": [size] * backward}}
+
+
+def test_every_source_the_page_cites_is_in_the_bibliography():
+    """The page's vendor and paper claims (issue 21, 6 and 8: GQA, the NVLink domains of the H100
+    generation) rest on citations; each key must resolve in references.bib."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "book" / "tensor_parallel.md").read_text()
+    keys = {key.strip() for group in re.findall(r"\{cite:[pt]\}`([^`]+)`", page) for key in group.split(",")}
+    entries = set(re.findall(r"^@\w+\{([^,]+),", (root / "references.bib").read_text(), re.M))
+    assert {"ainslie2023gqa", "nvidia2022nvswitch", "nvidia2023gh200nvl32", "nvidia2024nvlink"} <= keys
+    assert keys <= entries, keys - entries

@@ -394,8 +394,8 @@ def interview_cell() -> str:
     ('return len({rank // gpus_per_node for rank in group})', 'return len({rank // gpus_per_node for rank in range(ep)})',
      "that lays EP out innermost"),
     ('["memory_bytes"] / 2**30', '["memory_bytes"] / 1e9', "answer in GiB"),
-    ('return layout_row(MOE_409B, H100_CLUSTER, FOUR_MILLION_TOKENS, layout)["step_time_s"] / fastest["step_time_s"]',
-     'return fastest["step_time_s"] / layout_row(MOE_409B, H100_CLUSTER, FOUR_MILLION_TOKENS, layout)["step_time_s"]',
+    ('return step_time_s / interview_step_time_ratio.fastest["step_time_s"]',
+     'return interview_step_time_ratio.fastest["step_time_s"] / step_time_s',
      "the question asks this layout over the fastest"),
     ('["seconds"]["ep"]', '["seconds"]["ep"] * 2', "interview_ep_seconds("),
 ], ids=["ep-inside-the-node", "memory-in-gb", "ratio-inverted", "ep-time-doubled"])

@@ -24,6 +24,12 @@ def ep_group_nodes(tp: int, ep: int, gpus_per_node: int) -> int:
 
 
 @functools.lru_cache(maxsize=1)
+def _layouts_with_ep() -> list:
+    """The layouts a random question asks about: the planner's candidates with EP, but the notes' own."""
+    return [layout for layout in planner.candidate_layouts(*QUESTION) if layout.ep > 1 and layout != NOTES_LAYOUT]
+
+
+@functools.lru_cache(maxsize=1)
 def fastest_step_time_s() -> float:
     return planner.plan(*QUESTION)[0]["step_time_s"]
 
@@ -44,21 +50,21 @@ class Interview(InterviewQuestions):
     asked = {"interview_ep_group_nodes": (8, 8, 8),
              **{name: tuple(getattr(NOTES_LAYOUT, field) for field in planner.LAYOUT_FIELDS)
                 for name in LAYOUT_QUESTIONS}}
-    timeout_s = 40  # the step-time ratio runs the learner's planner once per question
+    timeout_s = 40  # the step-time ratio may run the learner's whole planner once per question
     rel = 1e-6
     summary = "all four interview answers are right for the questions asked and for random numbers"
 
     def prepare(self, rng):
         questions = super().prepare(rng)
         questions["interview_ep_group_nodes"].insert(1, (1, 8, 8))  # the notes' second question: TP = 1
-        # The ratio runs the learner's whole planner each time: two random layouts tell a copied number apart.
-        questions["interview_step_time_ratio"] = questions["interview_step_time_ratio"][:3]
+        for name in LAYOUT_QUESTIONS:  # each runs the learner's planner code: two random layouts tell a copy apart
+            questions[name] = questions[name][:3]
         return questions
 
     def drawn(self, name, rng):
         if name == "interview_ep_group_nodes":
             return int(rng.choice([1, 2, 4, 8])), int(rng.choice([2, 4, 8, 16])), int(rng.choice([4, 8, 16]))
-        candidates = [layout for layout in planner.candidate_layouts(*QUESTION) if layout.ep > 1]
+        candidates = _layouts_with_ep()
         layout = candidates[int(rng.integers(len(candidates)))]
         return tuple(int(getattr(layout, field)) for field in planner.LAYOUT_FIELDS)
 

@@ -369,6 +369,41 @@ def boundary_bytes_per_step(m: int, micro_batch: int, sequence: int, hidden: int
     return 2 * m * micro_batch * sequence * hidden * bytes_per_value
 
 
+def message_count(schedule: Schedule) -> int:
+    """Point-to-point messages a schedule implies: its dependencies between ops of different
+    stages (an activation forward or a gradient backward). Interleaving multiplies them by
+    (p·v - 1)/(p - 1), not by v: a micro-batch crosses p·v - 1 boundaries instead of p - 1."""
+    p, v = len(schedule), chunk_count(schedule)
+    return sum(dependency[3] != stage for stage, ops in enumerate(schedule) for op in ops
+               for dependency in dependencies(op, stage, p, v))
+
+
+def micro_batches_per_step(global_batch: int, micro_batch: int, data_parallel: int) -> int:
+    """m = B / (b · DP): the global batch B (sequences per optimizer step) is shared by the DP
+    replicas, and each replica's pipeline cuts its share into micro-batches of b. At a fixed
+    global batch, more data parallelism means fewer micro-batches, hence a larger bubble."""
+    if global_batch % (micro_batch * data_parallel):
+        raise ValueError(f"the global batch {global_batch} is not a multiple of b·DP = {micro_batch * data_parallel}")
+    return global_batch // (micro_batch * data_parallel)
+
+
+def boundary_communication_to_compute_ratio(layers_per_stage: int, seq: int, hidden: int, bytes_per_value: int,
+                                            link_bytes_per_s: float, flops_per_s: float, mlp_ratio: int = 4) -> float:
+    """Per micro-batch on one stage, forward and backward: the time to send its boundary
+    messages (an activation of b·s·h values out, its gradient back) at a per-direction
+    bandwidth, over the time of the stage's L/p layers at a FLOP rate. The tokens cancel:
+    2·h·e·F / (B · (L/p) · ((24 + 12r)h² + 12sh)): tensor parallelism's ratio
+    (dtp.tensor_parallel.communication_to_compute_ratio) divided by 4(t-1)·(L/p), since a
+    stage sends two messages per micro-batch where a TP layer sends 8(t-1)/t of one per GPU
+    and computes only 1/t of the layer."""
+    from .tensor_parallel import layer_training_flops
+
+    tokens = 1  # both times grow with the tokens
+    communication = 2 * tokens * hidden * bytes_per_value / link_bytes_per_s
+    compute = layers_per_stage * layer_training_flops(tokens, seq, hidden, mlp_ratio) / flops_per_s
+    return communication / compute
+
+
 # --- real pipelines on gloo -------------------------------------------------------------------
 
 def pipeline_stages(p: int, seed: int = 0, d_in: int = 6, width: int = 8, d_out: int = 3) -> list:
@@ -381,6 +416,95 @@ def pipeline_stages(p: int, seed: int = 0, d_in: int = 6, width: int = 8, d_out:
                             nn.Linear(width, d_out if s == p - 1 else width)) for s in range(p)]
     torch.random.set_rng_state(generator_state)
     return stages
+
+
+class SavedActivations:
+    """Bytes autograd keeps for backward while it is active (torch.autograd.graph's
+    saved_tensors_hooks), now and at the peak: a saved tensor counts from when a forward saves
+    it until autograd frees it after the backward; a storage saved twice (Tanh's output is also
+    the next Linear's input) counts once, and the module's parameters (held anyway) not at all."""
+
+    def __init__(self, parameters=()):
+        self.excluded = {parameter.untyped_storage().data_ptr() for parameter in parameters}
+        self.references: dict[tuple, int] = {}  # (address, bytes) -> saved tensors that use it
+        self.live = self.peak = 0
+
+    def pack(self, tensor):
+        if tensor.untyped_storage().data_ptr() in self.excluded:  # a parameter, or a view of one (W.t())
+            return tensor
+        # a view counts its own bytes, not its storage's (stage 0's micro-batch is a slice of the batch)
+        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        if not self.references.get(key):
+            self.live += key[1]
+            self.peak = max(self.peak, self.live)
+        self.references[key] = self.references.get(key, 0) + 1
+        return _Held(tensor, self, key)
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def release(self, key: tuple) -> None:
+        self.references[key] -= 1
+        if not self.references[key]:
+            self.live -= key[1]
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _Held:
+    """A saved tensor as autograd keeps it; when autograd drops it (after the backward), the
+    meter stops counting its bytes."""
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor, meter: SavedActivations, key: tuple):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        self.meter.release(self.key)
+
+
+class MeteredStage(nn.Module):
+    """A stage whose forwards run under a SavedActivations meter (`.meter`): what a pipeline
+    step keeps alive for its backwards, measured while the real step runs."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+        self.meter = SavedActivations(stage.parameters())
+
+    def forward(self, x):
+        with self.meter.hooks():
+            return self.stage(x)
+
+
+def _metered_rank(rank, world_size, step, m, micro_batch, width):
+    stage = MeteredStage(pipeline_stages(world_size, 0, width, width, width)[rank])
+    generator = torch.Generator().manual_seed(0)
+    batch = torch.randn(m * micro_batch, width, generator=generator)
+    targets = torch.randn(m * micro_batch, width, generator=generator)
+    step(stage, batch, targets, m, (micro_batch, width))
+    return stage.meter.peak
+
+
+def measure_saved_activations(step, p: int, m: int, micro_batch: int = 2, width: int = 8, **world_options) -> dict:
+    """Run a pipeline step (exercise 4's signature) on p gloo ranks whose stages are p equal
+    slices of one model (`pipeline_stages` with every width equal), and measure on each rank
+    the most bytes autograd kept for backward at once. Also measured, on this process: one
+    micro-batch through the whole model, and through one stage. Returns
+    {"per_rank": [bytes], "whole_model_one_micro_batch": bytes, "one_stage_one_micro_batch": bytes}."""
+    from .world import run_world
+
+    per_rank = run_world(_metered_rank, p, (step, m, micro_batch, width), **world_options)
+    stages = pipeline_stages(p, 0, width, width, width)
+    single = {}
+    for name, module in (("whole_model_one_micro_batch", nn.Sequential(*stages)), ("one_stage_one_micro_batch", stages[0])):
+        metered = MeteredStage(module)
+        output = metered(torch.randn(micro_batch, width))
+        single[name] = metered.meter.peak
+        output.sum().backward()
+    return {"per_rank": per_rank, **single}
 
 
 class SleepingStage(nn.Module):

@@ -167,3 +167,62 @@ def test_megatrons_longer_interleaved_warm_up_pays_only_when_messages_take_time(
         chatty = [pipeline.simulate(s, times, 0.1).makespan for s in (short, megatron)]
         assert chatty[0] > chatty[1]
         assert max(pipeline.simulate(short, times).peak_in_flight) <= max(pipeline.simulate(megatron, times).peak_in_flight)
+
+
+@pytest.mark.parametrize("p, m, v", [(4, 8, 2), (2, 4, 3), (8, 16, 4), (3, 3, 2)])
+def test_interleaving_multiplies_the_messages_by_pv_minus_1_over_p_minus_1_not_v(p, m, v):
+    """Issue 21, item 9: counted from the simulated schedule's cross-stage dependencies."""
+    interleaved, plain = (pipeline.message_count(s) for s in (pipeline.interleaved_schedule(p, m, v),
+                                                            pipeline.one_f_one_b_schedule(p, m)))
+    assert interleaved == pipeline.boundary_messages_per_step(p, m, v) == 2 * m * (p * v - 1)
+    assert plain == pipeline.boundary_messages_per_step(p, m)
+    assert interleaved / plain == pytest.approx((p * v - 1) / (p - 1)) != v
+
+
+def test_a_pipeline_boundary_sends_far_fewer_bytes_per_flop_than_tensor_parallelism():
+    """Issue 21, item 10: the ratio's closed form, its independence of the tokens, and the page's
+    comparison (one boundary message per stage against four all-reduces per layer)."""
+    from dtp import tensor_parallel as tp
+
+    link, flops = tp.gigabits_to_bytes_per_s(tp.INFINIBAND_NDR_GBIT_PER_S), tp.H100_BF16_DENSE_FLOPS
+    seq, hidden, layers = 4096, 8192, 10
+    ratio = pipeline.boundary_communication_to_compute_ratio(layers, seq, hidden, 2, link, flops)
+    expected = 2 * hidden * 2 * flops / (link * layers * ((24 + 48) * hidden**2 + 12 * seq * hidden))
+    assert ratio == pytest.approx(expected, rel=1e-12)
+    tensor_ratio = tp.communication_to_compute_ratio(seq, hidden, 8, 2, link, flops)
+    assert tensor_ratio / ratio == pytest.approx(4 * (8 - 1) * layers, rel=1e-12)  # 8(t-1)/t·S over 1/t of the FLOPs, per layer
+    assert ratio < 0.05 < 1 < tensor_ratio
+
+
+def test_micro_batches_are_tied_to_the_global_batch_and_data_parallelism():
+    """Issue 21, item 15: m = B / (b · DP), so at a fixed batch the bubble grows with DP."""
+    assert pipeline.micro_batches_per_step(512, 1, 8) == 64
+    assert pipeline.micro_batches_per_step(512, 2, 4) == 64
+    with pytest.raises(ValueError, match="multiple"):
+        pipeline.micro_batches_per_step(100, 1, 8)
+    bubbles = [pipeline.bubble_fraction(8, pipeline.micro_batches_per_step(512, 1, dp)) for dp in (1, 4, 16, 64)]
+    assert bubbles == sorted(bubbles) and bubbles[-1] > 5 * bubbles[0]
+
+
+def test_saved_activation_meter_counts_each_tensor_once_and_views_by_their_own_bytes():
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    batch = torch.randn(10, 8)
+    metered = pipeline.MeteredStage(layer)
+    outputs = [metered(micro) for micro in batch.tensor_split(5)]  # views of one storage
+    # each micro-batch: its input and Tanh's output (also the second Linear's input), 2 x 8 float32 each
+    assert metered.meter.live == metered.meter.peak == 5 * 2 * (2 * 8 * 4)
+    for output in outputs:
+        output.sum().backward()
+    assert metered.meter.live == 0
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (3, 2)])
+def test_first_stage_holds_one_micro_batch_of_the_whole_model(course, p, m):
+    """Issue 21, item 12 (Korthikanti et al. 2022, section 4.2.3): under 1F1B stage s keeps
+    min(p - s, m) micro-batches of its L/p layers, so stage 0 keeps, for m >= p, as much as one
+    micro-batch through all L layers; measured on the course's step on gloo."""
+    measured = pipeline.measure_saved_activations(course.one_f_one_b_step, p, m)
+    one_stage = measured["one_stage_one_micro_batch"]
+    assert measured["per_rank"] == [min(p - s, m) * one_stage for s in range(p)]
+    if m >= p:
+        assert measured["per_rank"][0] == measured["whole_model_one_micro_batch"] == p * one_stage

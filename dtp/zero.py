@@ -126,6 +126,66 @@ def fewest_gpus_to_fit(n_params: float, device_bytes: float, stage: int, recipe:
     return max(1, math.ceil(sharded / (room - replicated)))
 
 
+# --- mixed precision and gradient accumulation (the planner uses these too) -----------------
+
+def mixed_precision_bytes_per_gpu(n_params: float, n_gpus: int, stage: int, param_bytes: int = 2,
+                                  gradient_bytes: int = 2, master_bytes: int = 4,
+                                  optimizer_state_bytes: int = 8) -> dict[str, float]:
+    """Model-state bytes on each of Nd GPUs when compute weights are `param_bytes` wide, gradients
+    `gradient_bytes` (FSDP2's `reduce_dtype`; bf16 recipes often keep fp32 gradients, 4), and the
+    optimizer keeps fp32 master weights and `optimizer_state_bytes` per parameter (Adam: 8).
+    2 + 2 + 4 + 8 = 16 is the paper's recipe; with fp32 gradients it is 2 + 4 + 12 = 18, and
+    ZeRO-1's saving then tends to 18/6 = 3 rather than 16/4 = 4.
+
+    What each stage shards: 1 the master weights and optimizer states, 2 the gradients too, 3 the
+    compute weights too (stage 3's gathered units and full gradients in flight come on top:
+    `zero3_transient_bytes`)."""
+    _check_stage(stage)
+    divide = {component: n_gpus if component in SHARDED[stage] else 1 for component in COMPONENTS}
+    return {"weights": n_params * param_bytes / divide["weights"],
+            "gradients": n_params * gradient_bytes / divide["gradients"],
+            "optimizer states": n_params * (master_bytes + optimizer_state_bytes) / divide["optimizer states"]}
+
+
+def zero3_transient_bytes(unit_params: float, param_bytes: int = 2, gradient_bytes: int = 2,
+                          prefetch: bool = True) -> float:
+    """The floor under ZeRO-3's 16Ψ/Nd, which no Nd lowers: the unit running (its gathered weights),
+    the next one gathered ahead (`prefetch`), and the unit's full gradient in backward until its
+    reduce-scatter has run. `unit_params` is the largest unit's parameter count. Activations come
+    on top."""
+    return unit_params * ((2 if prefetch else 1) * param_bytes + gradient_bytes)
+
+
+def accumulation_gradient_bytes_held(n_params: float, n_gpus: int, stage: int, reduce_every_micro_batch: bool,
+                                     gradient_bytes: int = 2) -> float:
+    """Gradient bytes each GPU holds while it accumulates over micro-batches (one unit's full
+    gradient in flight left out). Two ways: reduce-scatter every micro-batch and add up pieces
+    (stages 2 and 3 then hold Ψ/Nd), or accumulate full gradients and reduce once, after the last
+    micro-batch (FSDP2's `set_requires_gradient_sync(False)`, DDP's `no_sync`): Ψ, and its piece.
+    Stages 0 and 1 hold full gradients either way."""
+    _check_stage(stage)
+    if stage < 2:
+        return n_params * gradient_bytes
+    sharded = n_params * gradient_bytes / n_gpus
+    return sharded if reduce_every_micro_batch else n_params * gradient_bytes + sharded
+
+
+def accumulation_bytes_sent_per_gpu(n_params: float, n_gpus: int, micro_batches: int, stage: int,
+                                    reduce_every_micro_batch: bool, param_bytes: int = 2,
+                                    gradient_bytes: int = 2) -> dict[str, float]:
+    """Bytes each GPU sends per optimizer step of `micro_batches` micro-batches, ring collectives.
+    Gradients: stage 0 all-reduces, 2(Nd-1)/Nd·Ψ, stages 1 to 3 reduce-scatter, (Nd-1)/Nd·Ψ,
+    once per micro-batch or once per step (stage 1 reduces in its step, so always once).
+    Weights: stages 1 and 2 all-gather them once per step, stage 3 twice per micro-batch (forward
+    and backward), whichever way it accumulates: accumulating in full saves only gradient traffic."""
+    _check_stage(stage)
+    ring = (n_gpus - 1) / n_gpus * n_params
+    reductions = micro_batches if reduce_every_micro_batch and stage != 1 else 1
+    gradients = reductions * ring * gradient_bytes * (2 if stage == 0 else 1)
+    weights = {0: 0, 1: ring, 2: ring, 3: 2 * micro_batches * ring}[stage] * param_bytes
+    return {"gradients": gradients, "weights": weights}
+
+
 # --- exact, for a run of the course -----------------------------------------------------------
 
 def shard_numel(numel: int, n: int) -> int:

@@ -1,4 +1,9 @@
-"""`python -m grader PATH... [--json FILE] [--only ID...] [--timeout SECONDS]`"""
+"""`python -m grader PATH... [--json FILE] [--only ID...] [--timeout SECONDS]`, and for a whole class
+`python -m grader class SUBMISSIONS --out RESULTS [--jobs N] [--only ID...] [--timeout SECONDS] [--regrade]`.
+
+`class` as the first argument is the class command when `--out` follows or when no file or folder
+named `class` exists; otherwise it is a PATH as before (any invocation that worked before still
+means the same). A folder named `class` is always gradable as `./class`."""
 from __future__ import annotations
 
 import argparse
@@ -74,10 +79,68 @@ def _private_torch_caches():
 _TORCH_CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
+def _class_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m grader class", description=(
+        "Grade a class: SUBMISSIONS holds one folder per student or one notebook per student named after them."))
+    parser.add_argument("submissions", metavar="SUBMISSIONS", help="the class's submissions (never written)")
+    parser.add_argument("--out", required=True, metavar="RESULTS",
+                        help="folder for gradebook.csv, summary.md/.html, students/ and the results cache")
+    parser.add_argument("--jobs", type=int, metavar="N", help="notebooks graded at once (default: the CPU count)")
+    parser.add_argument("--only", nargs="+", metavar="ID", help="grade only these exercise ids")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS", help="time limit per exercise")
+    parser.add_argument("--regrade", action="store_true", help="regrade every notebook, not only the changed ones")
+    return parser
+
+
+def _is_class_command(argv: list[str]) -> bool:
+    if argv[:1] != ["class"]:
+        return False
+    return any(a == "--out" or a.startswith("--out=") for a in argv[1:]) or not os.path.lexists("class")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _is_class_command(argv):
+        args = _class_parser().parse_args(argv[1:])
+        with _private_torch_caches():
+            return _grade_class(args)
     args = _parser().parse_args(argv)
     with _private_torch_caches():
         return _grade(args)
+
+
+def _grade_class(args) -> int:
+    from .classroom import default_workers, grade_class
+
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    make_undumpable()
+    try:
+        if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise UnusableInput(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+        if args.jobs is not None and args.jobs < 1:
+            raise UnusableInput(f"--jobs must be at least 1, got {args.jobs}")
+        if args.only:
+            unknown = sorted(exercise_id for exercise_id in set(args.only) if find_exercise(exercise_id) is None)
+            if unknown:
+                raise UnusableInput(f"unknown exercise id(s): {', '.join(unknown)}")
+        out = Path(args.out)
+        results = grade_class(Path(args.submissions), out, args.jobs or default_workers(), args.only, args.timeout,
+                              args.regrade)
+        graded = sum(len(notebooks) for notebooks in results.graded.values())
+        flagged = sum(bool(student.notes) for student in results.students)
+        print(f"{len(results.students)} students, {graded} notebooks graded, {flagged} students flagged: "
+              f"{out / 'gradebook.csv'}, {out / 'summary.md'}")
+    except UnusableInput as exc:
+        print(f"grader: {exc}", file=sys.stderr)
+        return EXIT_UNUSABLE_INPUT
+    except OSError as exc:
+        print(f"grader: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_UNUSABLE_INPUT
+    except KeyboardInterrupt:
+        print(f"grader: interrupted; the notebooks graded so far are kept in {Path(args.out) / 'cache'}, and "
+              "running the same command again grades the rest; nothing was left running", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_GRADED
 
 
 def _grade(args) -> int:

@@ -208,3 +208,29 @@ def test_mixed_precision_zero3_holds_only_fp32_pieces_between_units():
         "weights": 4 * pieces, "gradients": 4 * trained, "optimizer states": 8 * trained, "other": 0}, held["other paths"]
     assert sum(zero.mixed_precision_bytes_per_gpu(n * pieces, n, 3, param_bytes=0, gradient_bytes=4).values()) == \
         pytest.approx(16 * pieces)
+
+
+# --- the page's corrections (book/zero.md asserts the same numbers as it is built) ---
+
+def test_the_70b_examples_activations_fit_16_gib_only_with_full_recomputation():
+    from dtp import memory
+    layers, hidden, heads, seq = 80, 8192, 64, 4096
+    selective = memory.activation_bytes(layers, seq, 1, hidden, heads, recompute="selective")
+    assert round(selective / 2**30) == 85
+    full = memory.activation_bytes(layers, seq, 1, hidden, heads, recompute="full") \
+        + memory.activation_bytes_per_layer(seq, 1, hidden, heads)
+    assert full < 16 * 2**30 < selective
+
+
+def test_zero3_has_a_floor_that_no_nd_lowers():
+    layer = 12 * 8192**2
+    floor = zero.zero3_transient_bytes(layer)
+    assert floor == pytest.approx(4.8e9, rel=0.01)
+    assert zero.model_state_bytes_per_gpu(70e9, 10**6, 3) < floor  # model states vanish, the floor stays
+
+
+def test_fsdp2_overlaps_forward_all_gathers_by_default_on_the_pinned_torch():
+    """The page quotes this docstring (issue 22: it said FSDP2 does not prefetch in forward unless told)."""
+    from torch.distributed.fsdp import FSDPModule
+    doc = " ".join(FSDPModule.set_modules_to_forward_prefetch.__doc__.split())
+    assert "gives the same all-gather overlap behavior as the default overlap behavior" in doc

@@ -16,7 +16,7 @@ from ..common import completed_worlds, raise_world_failure, run_worlds
 LAYOUT_REFERENCES = ("dtp.topology.rank_coordinates", "dtp.topology.parallel_groups",
                      "dtp.topology.device_mesh_arguments", "dtp.topology.coordinates_to_rank",
                      "dtp.topology.factors", "dtp.topology.mesh_groups_on_rank")
-LINK_REFERENCES = ("dtp.topology.dimension_links",)
+LINK_REFERENCES = ("dtp.topology.dimension_links", "dtp.topology._links")  # _links: its cached body
 
 
 def _describe_layout(sizes: dict, order) -> str:

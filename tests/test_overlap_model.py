@@ -77,3 +77,30 @@ def test_ep_two_micro_batches():
     assert overlap.ep_exposed(2.0, 5.0) == 0.0
     assert overlap.ep_exposed(2.0, 5.0, overlapped=False) == 4.0
     assert overlap.ep_exposed(5.0, 2.0) == 6.0
+
+
+def test_fsdp2_issue_order_on_the_pinned_torch_is_what_the_page_says():
+    """The page states, from this run at build time: FSDP2 on CPU prefetches nothing in forward by
+    default, everything in backward, and in forward too with set_modules_to_forward_prefetch."""
+    from dtp import overlap_measure
+
+    default = overlap_measure.fsdp2_events(forward_prefetch=False)
+    explicit = overlap_measure.fsdp2_events(forward_prefetch=True)
+    assert overlap_measure.gathers_issued_ahead(default, "forward", "backward") == (0, 3)
+    assert overlap_measure.gathers_issued_ahead(default, "backward", "end") == (3, 3)
+    assert overlap_measure.gathers_issued_ahead(explicit, "forward", "backward") == (3, 3)
+
+
+def test_the_issued_ahead_count_tells_prefetch_from_blocking_gathers():
+    """On the course's own ZeRO-3 with prefetch, every gather after the first is issued ahead."""
+    from dtp import overlap_measure
+    from dtp.overlap_runs import zero3_prefetch_rank
+    from dtp.world import run_world
+    from grader.student import StudentCode
+
+    from conftest import solution_path
+
+    course = StudentCode.from_notebook(str(solution_path("overlap")), {"PrefetchZeRO3Module"})
+    events = run_world(zero3_prefetch_rank, 2, (course.PrefetchZeRO3Module, (8, 12, 10, 4), 0, 0, 1))[0]["events"][0]
+    assert overlap_measure.gathers_issued_ahead(events, "forward", "backward") == (2, 2)
+    assert overlap_measure.gathers_issued_ahead(events, "backward", "step") == (2, 2)

@@ -41,8 +41,13 @@ class Interview(InterviewQuestions):
             return (int(rng.integers(2, 129)), float(rng.integers(1, 400)) / 100,
                     float(rng.choice([25.0, 50.0, 100.0, 200.0, 400.0])), int(rng.integers(2, 1025)),
                     float(rng.integers(1, 400)) / 10)
-        gemm = float(rng.integers(10, 1000)) / 10
-        return float(rng.integers(1, int(gemm * 10))) / 10, gemm  # an all-gather shorter than the GEMM
+        while True:  # an all-gather shorter than the GEMM, and G/(G - A) clear of an integer, where
+            # ceil() of a rounded quotient and a loop over t could disagree on the boundary
+            gemm = float(rng.integers(10, 1000)) / 10
+            allgather = float(rng.integers(1, int(gemm * 10))) / 10
+            ratio = gemm / (gemm - allgather)
+            if abs(ratio - round(ratio)) > 1e-3:
+                return allgather, gemm
 
     def expected(self, name, *args):
         if name == "interview_ddp_exposed_ms":

@@ -176,11 +176,26 @@ def durations(schedule: Schedule, times: dict) -> dict:
     return {FORWARD: times[FORWARD], BACKWARD: full_backward, WEIGHT: weight}
 
 
-def dependencies(op: Op, stage: int, p: int, v: int) -> list[tuple[str, int, int, int]]:
+# Where chunk c of stage s sits in the model: "interleaved" (Megatron-LM) puts it at virtual
+# stage c·p + s, so a micro-batch visits the stages 0..p-1 v times; "V" (ZB-V, DualPipeV; two
+# chunks) at s for chunk 0 and 2p-1-s for chunk 1, so it goes down the stages and back up, and
+# the turn and the loss stay on one rank (the last, and the first).
+PLACEMENTS = ("interleaved", "V")
+
+
+def virtual_stage(chunk: int, stage: int, p: int, placement: str = "interleaved") -> int:
+    if placement == "V":
+        return stage if chunk == 0 else 2 * p - 1 - stage
+    return chunk * p + stage
+
+
+def dependencies(op: Op, stage: int, p: int, v: int, placement: str = "interleaved") -> list[tuple[str, int, int, int]]:
     """The ops `op` (run by `stage`) waits for, as (kind, micro-batch, chunk, stage)."""
     kind, micro_batch, chunk = op[0], op[1], op[2]
-    virtual, last = chunk * p + stage, p * v - 1
+    virtual, last = virtual_stage(chunk, stage, p, placement), p * v - 1
     def at(kind_, virtual_):
+        if placement == "V":
+            return (kind_, micro_batch, 0, virtual_) if virtual_ < p else (kind_, micro_batch, 1, 2 * p - 1 - virtual_)
         return (kind_, micro_batch, virtual_ // p, virtual_ % p)
     if kind == FORWARD:
         return [at(FORWARD, virtual - 1)] if virtual > 0 else []
@@ -189,17 +204,24 @@ def dependencies(op: Op, stage: int, p: int, v: int) -> list[tuple[str, int, int
     return [at(BACKWARD, virtual)]
 
 
-def simulate(schedule: Schedule, times: dict, p2p_time: float = 0.0) -> Timeline:
+def simulate(schedule: Schedule, times: dict, p2p_time: float = 0.0, chunk_scale: list | None = None,
+             placement: str = "interleaved") -> Timeline:
     """Time a schedule: each stage runs its ops in order, one at a time, each as soon as the
     stage is free and the ops it depends on have ended (plus `p2p_time` for a result that comes
     from another stage: one activation or gradient message; links are never shared). `times`
-    holds the duration of one op of each kind, {"F": .., "B": .., "W": ..} (of one chunk).
+    holds the duration of one op of each kind, {"F": .., "B": .., "W": ..} (of one chunk);
+    `chunk_scale[c]`, when given, multiplies the times of chunk c's ops (chunks of unequal size);
+    `placement` says where the chunks sit (PLACEMENTS).
 
     Computed as the longest path through the graph of dependencies and stage order, visiting
     ops in a topological order (Kahn's algorithm); raises ValueError if the orders deadlock.
     """
     p, v = len(schedule), chunk_count(schedule)
     duration = durations(schedule, times)
+
+    def op_time(op) -> float:
+        return duration[op[0]] * (chunk_scale[op[2]] if chunk_scale else 1.0)
+
     position = {}  # (kind, micro-batch, chunk, stage) -> (stage, index)
     for stage, ops in enumerate(schedule):
         for index, op in enumerate(ops):
@@ -208,7 +230,7 @@ def simulate(schedule: Schedule, times: dict, p2p_time: float = 0.0) -> Timeline
     for stage, ops in enumerate(schedule):
         for index, op in enumerate(ops):
             before = [((stage, index - 1), 0.0)] if index else []
-            for dependency in dependencies(op, stage, p, v):
+            for dependency in dependencies(op, stage, p, v, placement):
                 if dependency not in position:
                     raise ValueError(f"stage {stage}'s {op} needs {dependency[0]} of micro-batch {dependency[1]} "
                                      f"(chunk {dependency[2]}) on stage {dependency[3]}, which no stage runs")
@@ -227,7 +249,7 @@ def simulate(schedule: Schedule, times: dict, p2p_time: float = 0.0) -> Timeline
         stage, index = ready.popleft()
         visited += 1
         start[stage][index] = max((end[s][i] + delay for (s, i), delay in waits_on[(stage, index)]), default=0.0)
-        end[stage][index] = start[stage][index] + duration[schedule[stage][index][0]]
+        end[stage][index] = start[stage][index] + op_time(schedule[stage][index])
         for follower in followers[(stage, index)]:
             missing[follower] -= 1
             if missing[follower] == 0:
@@ -237,7 +259,7 @@ def simulate(schedule: Schedule, times: dict, p2p_time: float = 0.0) -> Timeline
         raise ValueError(f"the schedule deadlocks: stage {stuck[0][0]} waits forever at op {stuck[0][1]} "
                          f"({schedule[stuck[0][0]][stuck[0][1]]})")
     makespan = max((e for ends in end for e in ends), default=0.0)
-    busy = sum(duration[op[0]] for ops in schedule for op in ops)
+    busy = sum(op_time(op) for ops in schedule for op in ops)
     idle = p * makespan - busy
     return Timeline(schedule, start, end, makespan, idle / (p * makespan) if makespan else 0.0,
                     idle / busy if busy else 0.0, [max_in_flight(ops) for ops in schedule])
@@ -369,13 +391,13 @@ def boundary_bytes_per_step(m: int, micro_batch: int, sequence: int, hidden: int
     return 2 * m * micro_batch * sequence * hidden * bytes_per_value
 
 
-def message_count(schedule: Schedule) -> int:
+def message_count(schedule: Schedule, placement: str = "interleaved") -> int:
     """Point-to-point messages a schedule implies: its dependencies between ops of different
     stages (an activation forward or a gradient backward). Interleaving multiplies them by
     (p·v - 1)/(p - 1), not by v: a micro-batch crosses p·v - 1 boundaries instead of p - 1."""
     p, v = len(schedule), chunk_count(schedule)
     return sum(dependency[3] != stage for stage, ops in enumerate(schedule) for op in ops
-               for dependency in dependencies(op, stage, p, v))
+               for dependency in dependencies(op, stage, p, v, placement))
 
 
 def micro_batches_per_step(global_batch: int, micro_batch: int, data_parallel: int) -> int:
@@ -416,95 +438,6 @@ def pipeline_stages(p: int, seed: int = 0, d_in: int = 6, width: int = 8, d_out:
                             nn.Linear(width, d_out if s == p - 1 else width)) for s in range(p)]
     torch.random.set_rng_state(generator_state)
     return stages
-
-
-class SavedActivations:
-    """Bytes autograd keeps for backward while it is active (torch.autograd.graph's
-    saved_tensors_hooks), now and at the peak: a saved tensor counts from when a forward saves
-    it until autograd frees it after the backward; a storage saved twice (Tanh's output is also
-    the next Linear's input) counts once, and the module's parameters (held anyway) not at all."""
-
-    def __init__(self, parameters=()):
-        self.excluded = {parameter.untyped_storage().data_ptr() for parameter in parameters}
-        self.references: dict[tuple, int] = {}  # (address, bytes) -> saved tensors that use it
-        self.live = self.peak = 0
-
-    def pack(self, tensor):
-        if tensor.untyped_storage().data_ptr() in self.excluded:  # a parameter, or a view of one (W.t())
-            return tensor
-        # a view counts its own bytes, not its storage's (stage 0's micro-batch is a slice of the batch)
-        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
-        if not self.references.get(key):
-            self.live += key[1]
-            self.peak = max(self.peak, self.live)
-        self.references[key] = self.references.get(key, 0) + 1
-        return _Held(tensor, self, key)
-
-    @staticmethod
-    def unpack(held):
-        return held.tensor if isinstance(held, _Held) else held
-
-    def release(self, key: tuple) -> None:
-        self.references[key] -= 1
-        if not self.references[key]:
-            self.live -= key[1]
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
-
-class _Held:
-    """A saved tensor as autograd keeps it; when autograd drops it (after the backward), the
-    meter stops counting its bytes."""
-    __slots__ = ("tensor", "meter", "key")
-
-    def __init__(self, tensor, meter: SavedActivations, key: tuple):
-        self.tensor, self.meter, self.key = tensor, meter, key
-
-    def __del__(self):
-        self.meter.release(self.key)
-
-
-class MeteredStage(nn.Module):
-    """A stage whose forwards run under a SavedActivations meter (`.meter`): what a pipeline
-    step keeps alive for its backwards, measured while the real step runs."""
-
-    def __init__(self, stage: nn.Module):
-        super().__init__()
-        self.stage = stage
-        self.meter = SavedActivations(stage.parameters())
-
-    def forward(self, x):
-        with self.meter.hooks():
-            return self.stage(x)
-
-
-def _metered_rank(rank, world_size, step, m, micro_batch, width):
-    stage = MeteredStage(pipeline_stages(world_size, 0, width, width, width)[rank])
-    generator = torch.Generator().manual_seed(0)
-    batch = torch.randn(m * micro_batch, width, generator=generator)
-    targets = torch.randn(m * micro_batch, width, generator=generator)
-    step(stage, batch, targets, m, (micro_batch, width))
-    return stage.meter.peak
-
-
-def measure_saved_activations(step, p: int, m: int, micro_batch: int = 2, width: int = 8, **world_options) -> dict:
-    """Run a pipeline step (exercise 4's signature) on p gloo ranks whose stages are p equal
-    slices of one model (`pipeline_stages` with every width equal), and measure on each rank
-    the most bytes autograd kept for backward at once. Also measured, on this process: one
-    micro-batch through the whole model, and through one stage. Returns
-    {"per_rank": [bytes], "whole_model_one_micro_batch": bytes, "one_stage_one_micro_batch": bytes}."""
-    from .world import run_world
-
-    per_rank = run_world(_metered_rank, p, (step, m, micro_batch, width), **world_options)
-    stages = pipeline_stages(p, 0, width, width, width)
-    single = {}
-    for name, module in (("whole_model_one_micro_batch", nn.Sequential(*stages)), ("one_stage_one_micro_batch", stages[0])):
-        metered = MeteredStage(module)
-        output = metered(torch.randn(micro_batch, width))
-        single[name] = metered.meter.peak
-        output.sum().backward()
-    return {"per_rank": per_rank, **single}
 
 
 class SleepingStage(nn.Module):
@@ -602,60 +535,3 @@ def measure_sleeping_pipeline(step, p: int, m: int, forward_s: float, backward_s
         if 1 - sum(end - start for start, end in ops) / (p * span) <= bubble_fraction(p, m) + retry_above:
             break
     return runs
-
-
-# --- torch.distributed.pipelining, for comparison ---------------------------------------------
-
-def _torch_schedule_rank(rank, world_size, schedule_name, m, seed, micro_batch):
-    from torch.distributed import pipelining
-
-    stage = pipeline_stages(world_size, seed)[rank]
-    order: list[tuple[str, int]] = []  # what this stage computed, in order, as (kind, micro-batch)
-    recording = False
-
-    def forward_hook(module, inputs, output):
-        if recording:
-            micro_batch_index = sum(kind == FORWARD for kind, _ in order)
-            order.append((FORWARD, micro_batch_index))
-            output.register_hook(lambda grad: order.append((BACKWARD, micro_batch_index)))
-
-    stage.register_forward_hook(forward_hook)
-    schedule_class = {"1F1B": pipelining.Schedule1F1B, "GPipe": pipelining.ScheduleGPipe}[schedule_name]
-    schedule = schedule_class(pipelining.PipelineStage(stage, rank, world_size, torch.device("cpu")),
-                              n_microbatches=m, loss_fn=nn.functional.mse_loss)
-    generator = torch.Generator().manual_seed(seed)
-    batch = torch.randn(m * micro_batch, 6, generator=generator)
-    targets = torch.randn(m * micro_batch, 3, generator=generator)
-    losses: list = []
-    # Two steps on the same batch, without an optimizer: the first also infers the shapes that
-    # cross each boundary (a forward and backward of its own), the second is the one recorded.
-    for step in range(2):
-        recording = step == 1
-        stage.zero_grad()
-        losses.clear()
-        if rank == 0:
-            schedule.step(batch)
-        elif rank == world_size - 1:
-            schedule.step(target=targets, losses=losses)
-        else:
-            schedule.step()
-    return {"losses": [loss.item() for loss in losses], "order": order,
-            "grads": {name: parameter.grad.clone() for name, parameter in stage.named_parameters()}}
-
-
-def run_torch_schedule(schedule_name: str, p: int, m: int, seed: int = 0, micro_batch: int = 2,
-                       timeout_s: float = 60.0) -> dict:
-    """Train one step of `pipeline_stages(p, seed)` with torch.distributed.pipelining's
-    Schedule1F1B or ScheduleGPipe on p gloo processes (inputs of 6 features, targets of 3, as
-    `torch.randn` draws from a generator seeded with `seed`), recording each stage's order of
-    forwards and backwards. Time-boxed: the processes are killed after `timeout_s`. Returns
-    {"status": "ok", "ranks": [per-rank result]} or {"status": "failed", "symptom": ...}."""
-    import torch.distributed.pipelining  # noqa: F401 - imported once here, not in every forked rank
-
-    from .world import WorldError, run_world
-
-    try:
-        return {"status": "ok", "ranks": run_world(_torch_schedule_rank, p, (schedule_name, m, seed, micro_batch),
-                                                   timeout_s=timeout_s, collective_timeout_s=timeout_s / 3)}
-    except WorldError as error:
-        return {"status": "failed", "symptom": f"{error.kind}: {error}"}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import solution_path
-from dtp import pipeline
+from dtp import pipeline, pipeline_torch
 from dtp.traffic import CommunicationLog
 from dtp.world import run_world
 from grader.checks.pp import event_simulation, random_valid_schedule
@@ -207,7 +207,7 @@ def test_micro_batches_are_tied_to_the_global_batch_and_data_parallelism():
 def test_saved_activation_meter_counts_each_tensor_once_and_views_by_their_own_bytes():
     layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
     batch = torch.randn(10, 8)
-    metered = pipeline.MeteredStage(layer)
+    metered = pipeline_torch.MeteredStage(layer)
     outputs = [metered(micro) for micro in batch.tensor_split(5)]  # views of one storage
     # each micro-batch: its input and Tanh's output (also the second Linear's input), 2 x 8 float32 each
     assert metered.meter.live == metered.meter.peak == 5 * 2 * (2 * 8 * 4)
@@ -221,8 +221,21 @@ def test_first_stage_holds_one_micro_batch_of_the_whole_model(course, p, m):
     """Issue 21, item 12 (Korthikanti et al. 2022, section 4.2.3): under 1F1B stage s keeps
     min(p - s, m) micro-batches of its L/p layers, so stage 0 keeps, for m >= p, as much as one
     micro-batch through all L layers; measured on the course's step on gloo."""
-    measured = pipeline.measure_saved_activations(course.one_f_one_b_step, p, m)
+    measured = pipeline_torch.measure_saved_activations(course.one_f_one_b_step, p, m)
     one_stage = measured["one_stage_one_micro_batch"]
     assert measured["per_rank"] == [min(p - s, m) * one_stage for s in range(p)]
     if m >= p:
         assert measured["per_rank"][0] == measured["whole_model_one_micro_batch"] == p * one_stage
+
+
+def test_interleaved_bubble_formula_needs_equal_chunks():
+    """Issue 21, item 13: with the p·v chunks unequal (every stage's total still equal) the
+    interleaved step is longer than (vm + p - 1) chunk times; equal chunks meet it exactly."""
+    p, m, v = 4, 8, 2
+    schedule, times = pipeline.interleaved_schedule(p, m, v), {"F": 0.5, "B": 0.5, "W": 0.5}
+    equal = pipeline.simulate(schedule, times, chunk_scale=[1.0, 1.0])
+    assert equal.bubble_fraction == pytest.approx(pipeline.bubble_fraction(p, m, v))
+    for scale in ([0.75, 1.25], [1.25, 0.75]):
+        assert pipeline.simulate(schedule, times, chunk_scale=scale).bubble_fraction > pipeline.bubble_fraction(p, m, v) + 0.02
+    with pytest.raises(ValueError, match="multiple of p"):
+        pipeline.interleaved_schedule(4, 6, 2)

@@ -25,8 +25,10 @@ from . import calculator, memory, moe, pipeline, tensor_parallel, zero
 from .gpt import GPTConfig
 from .topology import INTER_NODE, INTRA_NODE, dimension_links
 
-# The layout's fields, in the order the planner's rows list them.
-LAYOUT_FIELDS = ("tp", "pp", "dp", "ep", "zero_stage", "micro_batches")
+# The layout's fields, in the order the planner's rows list them. `reduce_every_micro_batch` (0 or 1)
+# says how ZeRO-2/3 accumulate gradients over micro-batches; `expert_tp` is the TP degree of the
+# experts (t, or 1 with the experts' EP group folded over the TP ranks).
+LAYOUT_FIELDS = ("tp", "pp", "dp", "ep", "zero_stage", "micro_batches", "reduce_every_micro_batch", "expert_tp")
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,21 @@ class PlannedLayout:
     ep: int
     zero_stage: int
     micro_batches: int
+    # ZeRO-2/3 only: 1 reduce-scatters every micro-batch's gradients into sharded ones, 0 accumulates
+    # unsharded gradients (their full memory) and reduces once per step. Stages 0 and 1 reduce once: 0.
+    reduce_every_micro_batch: int = 0
+    # The experts' TP degree: 0 means "the attention's", t (Megatron-Core's expert TP = TP); 1 folds
+    # the experts' EP group over the t·e GPUs of the TP and EP groups (MoE parallel folding).
+    expert_tp: int = 0
+
+    def __post_init__(self):
+        if not self.expert_tp:
+            object.__setattr__(self, "expert_tp", self.tp)
+
+    @property
+    def expert_ep(self) -> int:
+        """GPUs of one expert all-to-all group: e, or t·e when the experts are not tensor-parallel."""
+        return self.ep * self.tp // self.expert_tp
 
     def sizes(self, model: ModelShape) -> dict[str, int]:
         """The layout as `dtp.topology` takes it (EP only for an MoE model)."""
@@ -156,15 +173,21 @@ def memory_per_gpu(model: ModelShape, training: Training, layout: PlannedLayout,
     dense_layout = calculator.Layout(layout.tp, layout.pp, layout.dp, layout.zero_stage, sequence_parallel=True,
                                      recompute=training.recompute, micro_batch=training.micro_batch)
     breakdown = calculator.memory_per_gpu(model.config, training.recipe, dense_layout, stage)
+    counts, model_parallel = parameter_counts(model), layout.tp * layout.pp
+    groups = [(counts["non_expert"] / model_parallel, layout.dp)]
+    if model.is_moe:
+        groups.append((counts["experts"] / (model_parallel * layout.ep), layout.dp // layout.ep))
+        states = [zero.model_state_breakdown_per_gpu(n, d, layout.zero_stage, training.recipe) for n, d in groups]
+        for component in zero.COMPONENTS:
+            breakdown[component] = sum(state[component] for state in states)
+    if layout.zero_stage >= 2 and not layout.reduce_every_micro_batch:
+        # Accumulating over micro-batches without reducing keeps a full (unsharded) gradient buffer
+        # beside the shard (dtp.zero.accumulation_gradient_bytes_held).
+        per_parameter = zero.bytes_per_parameter_by_component(training.recipe)["gradients"]
+        breakdown["gradients"] = sum(zero.accumulation_gradient_bytes_held(n, d, layout.zero_stage, False, per_parameter)
+                                     for n, d in groups)
     if not model.is_moe:
         return breakdown
-    counts, model_parallel = parameter_counts(model), layout.tp * layout.pp
-    shared = zero.model_state_breakdown_per_gpu(counts["non_expert"] / model_parallel, layout.dp, layout.zero_stage,
-                                                training.recipe)
-    experts = zero.model_state_breakdown_per_gpu(counts["experts"] / (model_parallel * layout.ep),
-                                                 layout.dp // layout.ep, layout.zero_stage, training.recipe)
-    for component in zero.COMPONENTS:
-        breakdown[component] = shared[component] + experts[component]
     in_flight = layout.pp if stage == "first" else 1
     breakdown["activations"] += math.ceil(model.layers / layout.pp) * in_flight * \
         moe_extra_activation_bytes_per_layer(model, training, layout.tp)
@@ -180,6 +203,28 @@ def peak_memory_per_gpu(model: ModelShape, training: Training, layout: PlannedLa
 
 # --- traffic ------------------------------------------------------------------------------------
 
+def dp_bytes_per_gpu(n_params: float, replicas: int, layout: PlannedLayout, bytes_per_value: int) -> float:
+    """Bytes a GPU sends per step for the data-parallel traffic of its `n_params` parameters over
+    `replicas` ranks: dtp.zero's accumulation formulas. ZeRO-2/3 reducing every micro-batch
+    reduce-scatter m times; ZeRO-3 gathers the weights twice per micro-batch whichever way it
+    accumulates; stages 0 and 1 reduce once per step."""
+    sent = zero.accumulation_bytes_sent_per_gpu(n_params, replicas, layout.micro_batches, layout.zero_stage,
+                                                bool(layout.reduce_every_micro_batch), bytes_per_value,
+                                                bytes_per_value)
+    return sent["gradients"] + sent["weights"]
+
+
+def expert_tokens_per_gpu(model: ModelShape, training: Training, layout: PlannedLayout) -> int:
+    """Tokens of a micro-batch each GPU routes: with sequence parallelism (which Megatron-Core
+    requires with TP + EP) each TP rank holds and dispatches its own b·s/t tokens."""
+    return training.micro_batch * model.seq // layout.tp
+
+
+def folded_group_link(size: int, gpus_per_node: int) -> str:
+    """The link of a group of `size` consecutive ranks (TP and EP, innermost, folded into one)."""
+    return INTRA_NODE if gpus_per_node % size == 0 else INTER_NODE
+
+
 def traffic_per_gpu(model: ModelShape, cluster: Cluster, training: Training, layout: PlannedLayout) -> dict[str, dict]:
     """Bytes one GPU sends per step for each group it belongs to, and the link they ride:
     {"tp": {"bytes": ..., "link": "intra-node"}, "pp": ..., "dp": ..., "ep": ..., "expert_dp": ...}.
@@ -191,24 +236,36 @@ def traffic_per_gpu(model: ModelShape, cluster: Cluster, training: Training, lay
     forwards = 2 if training.recompute == "full" else 1  # full recomputation runs each forward twice
     passes = ("forward",) * forwards + ("backward",)
     counts = parameter_counts(model)
+    tp_per_layer = tensor_parallel.ring_bytes_per_gpu_per_layer(b * s, h, t, w, passes)
     traffic = {
-        "tp": stage_layers * m * tensor_parallel.ring_bytes_per_gpu_per_layer(b * s, h, t, w, passes),
+        "tp": stage_layers * m * tp_per_layer,
         # An interior stage sends each micro-batch's activation forward and its gradient backward; each of
         # the stage's t GPUs sends 1/t of it (sequence parallel).
         "pp": pipeline.boundary_bytes_per_step(m, b, s, h, w) * min(2, p - 1) / 2 / t,
-        "dp": zero.communication_bytes_per_gpu(counts["non_expert"] / (t * p), layout.dp, layout.zero_stage, w),
+        "dp": dp_bytes_per_gpu(counts["non_expert"] / (t * p), layout.dp, layout, w),
     }
     if model.is_moe:
-        # Experts are tensor-parallel like the dense MLP: the micro-batch's b·s tokens reach every GPU
-        # of the TP group (sequence parallelism all-gathers them, counted in "tp"), and each GPU
-        # exchanges all of them with the GPUs of its EP group that share its TP coordinate.
-        routed = b * s
-        capacity = moe.expert_capacity(routed, model.experts, model.top_k, model.capacity_factor)
-        all_to_alls = moe.capacity_all_to_all_bytes(e, model.experts, capacity, h, w)  # 4 per layer: fwd + bwd
+        # Each GPU dispatches its own b·s/t tokens (sequence parallel) to the experts of its
+        # all-to-all group, with capacity C computed from them; 4 all-to-alls per layer, 6 with
+        # full recomputation.
+        capacity = moe.expert_capacity(expert_tokens_per_gpu(model, training, layout), model.experts,
+                                       model.top_k, model.capacity_factor)
+        group = layout.expert_ep
+        all_to_alls = moe.capacity_all_to_all_bytes(group, model.experts, capacity, h, w)  # 4 per layer
         traffic["ep"] = stage_layers * m * all_to_alls * (2 * forwards + 2) / 4
-        traffic["expert_dp"] = zero.communication_bytes_per_gpu(counts["experts"] / (t * p * e), layout.dp // e,
-                                                                layout.zero_stage, w)
-    links = dimension_links(layout.sizes(model), layout.order(model), cluster.gpus_per_node)
+        mlp_share = tp_per_layer / 2  # half of a layer's TP collectives belong to its MLP
+        if layout.expert_tp > 1:
+            # Tensor-parallel experts: the E·C rows a GPU received are all-gathered over the TP group
+            # before the experts and reduce-scattered after (per pass), in place of the dense MLP's
+            # collectives: 2(t-1)·E·C·h·w per pass.
+            expert_collectives = 2 * (t - 1) * model.experts * capacity * h * w * len(passes)
+        else:
+            expert_collectives = 0.0  # whole experts: the tokens stay in their sequence-parallel shards
+        traffic["tp"] += stage_layers * m * (expert_collectives - mlp_share)
+        traffic["expert_dp"] = dp_bytes_per_gpu(counts["experts"] / (t * p * e), layout.dp // e, layout, w)
+    links = dict(dimension_links(layout.sizes(model), layout.order(model), cluster.gpus_per_node))
+    if model.is_moe and layout.expert_tp == 1 and t > 1:
+        links["ep"] = folded_group_link(t * e, cluster.gpus_per_node)
     return {name: {"bytes": float(sent), "link": links[name]} for name, sent in traffic.items()}
 
 
@@ -265,8 +322,11 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, training: Training) -
       sequence parallelism splits the sequence t ways);
     - pp divides the layers (equal stages), and dp = GPUs / (tp·pp) is a whole number;
     - ep divides dp and the experts (1 for a dense model);
-    - ZeRO stage 0 to 3 without pipelining, 0 or 1 with it (stages 2 and 3 would shard the
-      gradients that micro-batches accumulate into);
+    - ZeRO stage 0 to 3, with or without pipelining (Llama 3 trained FSDP-style sharding with PP;
+      DeepSpeed's PipelineEngine refusing stages 2 and 3 is one framework's limit); stages 2 and 3
+      both ways of accumulating (reduce every micro-batch, or once from unsharded gradients);
+    - MoE: experts tensor-parallel like the attention (expert_tp = t), or whole with their
+      all-to-all group folded over TP and EP (expert_tp = 1, when t·e divides the experts);
     - micro-batches m = global batch / (dp · micro-batch size), a whole number, at least pp."""
     layouts = []
     for tp in divisors(cluster.gpus_per_node):
@@ -282,8 +342,11 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, training: Training) -
             if micro_batches < pp:
                 continue
             for ep in (divisors(math.gcd(dp, model.experts)) if model.is_moe else [1]):
-                for stage in (zero.STAGES if pp == 1 else (0, 1)):
-                    layouts.append(PlannedLayout(tp, pp, dp, ep, stage, micro_batches))
+                expert_tps = [tp] + ([1] if model.is_moe and tp > 1 and model.experts % (tp * ep) == 0 else [])
+                for expert_tp in expert_tps:
+                    for stage in zero.STAGES:
+                        for every in ((0, 1) if stage >= 2 else (0,)):
+                            layouts.append(PlannedLayout(tp, pp, dp, ep, stage, micro_batches, every, expert_tp))
     return layouts
 
 

@@ -59,7 +59,7 @@ def test_an_mlp_keeps_korthikanti_s_19_sbh_when_its_width_is_4h():
     assert planner.mlp_activation_bytes_per_token(1000, 4000) == 19 * 1000
 
 
-LAYOUTS = [planner.PlannedLayout(8, 8, 16, 1, 1, 64), planner.PlannedLayout(4, 1, 256, 1, 3, 4),
+LAYOUTS = [planner.PlannedLayout(8, 8, 16, 1, 1, 64), planner.PlannedLayout(4, 1, 256, 1, 3, 4, 1),
            planner.PlannedLayout(2, 4, 128, 1, 0, 8)]
 
 
@@ -102,11 +102,13 @@ def test_the_step_time_by_hand():
     counts = planner.parameter_counts(model)
     s, h, w, L, m = 32, 64, 2, 4, 16
     message = s * h * w
-    tp_bytes = (L // 2) * m * 4 * message  # 4 all-reduces per layer, 2(t-1)/t = 1 for t = 2
+    capacity = math.ceil(1.25 * (s // 2) * 2 / 8)  # each TP rank routes its own s/t tokens (sequence parallel)
+    # 4 all-reduces per layer, 2(t-1)/t = 1 for t = 2; the MLP's two become the tensor-parallel experts'
+    # all-gather and reduce-scatter of the E·C rows a GPU received, forward and backward: 2·2(t-1)·E·C·h·w
+    tp_bytes = (L // 2) * m * (2 * message + 2 * 2 * 8 * capacity * h * w)
     pp_bytes = 1 * m * message / 2  # two stages: one direction, 1/t of each activation
     dp_bytes = 2 * (3 / 4) * counts["non_expert"] / 4 * w  # ring: 2(d-1)/d of the GPU's non-expert parameters
     expert_dp_bytes = 2 * (1 / 2) * counts["experts"] / 8 * w  # over d/e = 2 ranks, experts split t·p·e = 8 ways
-    capacity = math.ceil(1.25 * s * 2 / 8)
     ep_bytes = (L // 2) * m * 4 * (1 / 2) * 8 * capacity * h * w  # each all-to-all sends (e-1)/e of E·C rows
     # Rank strides: tp 1, ep 2, pp 4, expert_dp 8. Nodes of 4: TP ([0, 1]) and EP ([0, 2]) inside; PP ([0, 4]),
     # expert_dp ([0, 8]) and DP ([0, 2, 8, 10]) across.
@@ -132,25 +134,85 @@ def test_tp_traffic_is_the_tensor_chapter_s_and_full_recomputation_repeats_the_f
     assert full == selective * 6 / 4
 
 
-def test_ep_traffic_is_the_expert_chapter_s_all_to_all_bytes():
+def test_ep_dispatches_each_tp_rank_s_own_tokens():
+    """Item 2 of issue 24: with sequence parallelism each of the t GPUs of a TP group dispatches its
+    b·s/t tokens, not the whole micro-batch (the slip the planner made before)."""
     layout = planner.PlannedLayout(8, 8, 16, 8, 1, 64)
     traffic = planner.traffic_per_gpu(planner.MOE_409B, planner.H100_CLUSTER, planner.FOUR_MILLION_TOKENS, layout)
-    capacity = moe.expert_capacity(4096, 16, 2, 1.0)
+    capacity = moe.expert_capacity(4096 // 8, 16, 2, 1.0)
     assert traffic["ep"]["bytes"] == 10 * 64 * moe.capacity_all_to_all_bytes(8, 16, capacity, 8192, 2)
+    whole = 10 * 64 * moe.capacity_all_to_all_bytes(8, 16, moe.expert_capacity(4096, 16, 2, 1.0), 8192, 2)
+    assert traffic["ep"]["bytes"] == whole / 8
     assert traffic["ep"]["link"] == "inter-node"  # TP fills the node: the EP group spans 8 nodes
+
+
+def test_whole_experts_fold_their_all_to_all_over_tp_and_ep():
+    """expert_tp = 1: the all-to-all group is the t·e GPUs of TP and EP (inside a node when t·e
+    divides it), and the MLP's TP collectives are gone."""
+    model, cluster, training = planner.MOE_409B, planner.H100_CLUSTER, planner.FOUR_MILLION_TOKENS
+    folded = planner.PlannedLayout(8, 8, 16, 1, 1, 64, 0, expert_tp=1)
+    split = planner.PlannedLayout(8, 8, 16, 1, 1, 64)
+    a, b = (planner.traffic_per_gpu(model, cluster, training, layout) for layout in (folded, split))
+    capacity = moe.expert_capacity(4096 // 8, 16, 2, 1.0)
+    assert a["ep"]["bytes"] == 10 * 64 * moe.capacity_all_to_all_bytes(8, 16, capacity, 8192, 2)
+    assert a["ep"]["link"] == "intra-node" and b["ep"]["bytes"] == 0
+    attention_only = 10 * 64 * tensor_parallel.ring_bytes_per_gpu_per_layer(4096, 8192, 8) / 2
+    assert a["tp"]["bytes"] == pytest.approx(attention_only, rel=1e-12)
+    assert b["tp"]["bytes"] > attention_only
+
+
+def test_zero_2_and_3_reduce_every_micro_batch_or_hold_unsharded_gradients():
+    """Item 1 of issue 24: the issue's 70B example (TP 8 x DP 128, m = 8), ZeRO-3 reducing every
+    micro-batch sends about 387 GB per GPU per step, not the 48 GB of once per step; accumulating
+    unsharded gradients saves the gradient traffic (not the weights') and holds 2Ψ more bytes.
+    The formulas are dtp.zero's, which tests/test_zero_mixed.py pins to the bytes dtp.sharded's
+    runs send on gloo (reduce-scatter per micro-batch and the per-micro-batch gathers)."""
+    model, cluster, training = planner.DENSE_70B, planner.A100_CLUSTER, planner.FOUR_MILLION_TOKENS
+    psi = planner.parameter_counts(model)["non_expert"] / 8
+    ring = 127 / 128 * psi * 2
+    every = planner.PlannedLayout(8, 1, 128, 1, 3, 8, 1)
+    once = planner.PlannedLayout(8, 1, 128, 1, 3, 8, 0)
+    sent = {layout.reduce_every_micro_batch: planner.traffic_per_gpu(model, cluster, training, layout)["dp"]["bytes"]
+            for layout in (every, once)}
+    assert sent[1] == pytest.approx(3 * 8 * ring, rel=1e-12) and round(sent[1] / 1e9) == 387
+    assert sent[0] == pytest.approx((1 + 2 * 8) * ring, rel=1e-12)
+    for stage in (2, 3):
+        rows = {every: planner.evaluate(model, cluster, training, planner.PlannedLayout(8, 1, 128, 1, stage, 8, every))
+                for every in (0, 1)}
+        assert rows[0]["memory_bytes"] - rows[1]["memory_bytes"] == pytest.approx(2 * psi, rel=1e-12)
+    two = {every: planner.traffic_per_gpu(model, cluster, training, planner.PlannedLayout(8, 1, 128, 1, 2, 8, every))
+           for every in (0, 1)}
+    assert two[1]["dp"]["bytes"] == pytest.approx((8 + 1) * ring, rel=1e-12)
+    assert two[0]["dp"]["bytes"] == pytest.approx(2 * ring, rel=1e-12)
+
+
+def test_zero_with_pipelining_is_planned():
+    """Item 3 of issue 24: ZeRO-2/3 with PP > 1 (Llama 3 405B's FSDP-style sharding with PP), with
+    the per-micro-batch traffic of ZeRO-3 gathering its stage's weights for every micro-batch."""
+    model, cluster, training = planner.DENSE_70B, planner.A100_CLUSTER, planner.FOUR_MILLION_TOKENS
+    candidates = planner.candidate_layouts(model, cluster, training)
+    assert {(c.zero_stage, c.reduce_every_micro_batch) for c in candidates if c.pp > 1} == \
+        {(0, 0), (1, 0), (2, 0), (2, 1), (3, 0), (3, 1)}
+    layout = planner.PlannedLayout(8, 8, 16, 1, 3, 64, 1)
+    psi = planner.parameter_counts(model)["non_expert"] / 64
+    assert planner.traffic_per_gpu(model, cluster, training, layout)["dp"]["bytes"] == \
+        pytest.approx(3 * 64 * 15 / 16 * psi * 2, rel=1e-12)
 
 
 def brute_force_candidates(model, cluster, training):
     found = []
-    for tp, pp, ep, stage in itertools.product(range(1, 9), range(1, model.layers + 1), range(1, 17), range(4)):
+    for tp, pp, ep, stage, every, etp in itertools.product(range(1, 9), range(1, model.layers + 1), range(1, 17),
+                                                           range(4), (0, 1), range(1, 9)):
         dp, rest = divmod(cluster.gpus, tp * pp)
         if rest or cluster.gpus_per_node % tp or model.heads % tp or model.seq % tp or model.layers % pp:
             continue
-        if dp % ep or model.experts % ep or (not model.is_moe and ep > 1) or (pp > 1 and stage > 1):
+        if dp % ep or model.experts % ep or (not model.is_moe and ep > 1) or (every and stage < 2):
+            continue
+        if etp != tp and not (etp == 1 and model.is_moe and model.experts % (tp * ep) == 0):
             continue
         m, rest = divmod(training.global_batch, dp * training.micro_batch)
         if not rest and m >= pp:
-            found.append(planner.PlannedLayout(tp, pp, dp, ep, stage, m))
+            found.append(planner.PlannedLayout(tp, pp, dp, ep, stage, m, every, etp))
     return found
 
 

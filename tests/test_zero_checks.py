@@ -523,3 +523,12 @@ def test_every_stage_grading_draws_models_that_need_padding():
         for seed in range(100):
             for n, sizes, _, _ in check.prepare(np.random.default_rng(seed)):
                 assert checks._needs_padding(sizes, n), (exercise_id, seed, n, sizes)
+
+
+def test_no_cell_both_tries_an_exercise_and_checks_it():
+    """Issue 21, item 22: a cell holding a demo and a check printed two lines for one unfinished
+    exercise (the demo's "not implemented yet" and the check's "missing"); as in the other
+    chapters, the check has a cell of its own, so every cell prints one line."""
+    both = [cell.source[:60] for cell in SOLUTION.cells
+            if cell.cell_type == "code" and "with demo(" in cell.source and "check(" in cell.source]
+    assert both == []

@@ -294,18 +294,23 @@ class SwiGLUExpert(nn.Module):
 
 class MoEFeedForward(nn.Module):
     """Dropless top-k routing with Mixtral's renormalised gates; keeps its last routing in
-    `self.last_logits` and `self.last_indices` for balancing losses and measurements."""
+    `self.last_logits` and `self.last_indices` for balancing losses and measurements. The
+    experts are chosen by probability + `choice_bias` (zero unless auxiliary-loss-free balancing
+    moves it, dtp.moe_routing), the gates are the probabilities alone."""
 
     def __init__(self, hidden: int, expert_hidden: int, n_experts: int, top_k: int):
         super().__init__()
         self.top_k = top_k
         self.router = nn.Linear(hidden, n_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLUExpert(hidden, expert_hidden) for _ in range(n_experts))
+        self.register_buffer("choice_bias", torch.zeros(n_experts), persistent=False)
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
         logits = self.router(tokens)
-        weights, indices = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+        probabilities = torch.softmax(logits, dim=-1)
+        indices = (probabilities.detach() + self.choice_bias).topk(self.top_k, dim=-1).indices
+        weights = probabilities.gather(1, indices)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         self.last_logits, self.last_indices = logits, indices.detach()
         output = torch.zeros_like(tokens)
@@ -395,7 +400,7 @@ def python_documentation_bytes() -> torch.Tensor:
 def routing_statistics(model: MoETransformer, tokens: torch.Tensor, capacity_factors=(1.0,)) -> dict:
     """Run `tokens` (batch, seq) through the model and measure each MoE layer's routing, averaged
     over layers: `imbalance`, the busiest expert's load over the mean load (E·max f, 1 when
-    even), and `dropped[cf]`, the fraction of assignments over capacity with capacity factor cf,
+    even, at most E/k), and `dropped[cf]`, the fraction of assignments over capacity with capacity factor cf,
     the batch being one group."""
     with torch.no_grad():
         model(tokens)
@@ -411,20 +416,24 @@ def routing_statistics(model: MoETransformer, tokens: torch.Tensor, capacity_fac
 
 
 def train_on_text(config: MoEConfig, alpha: float, steps: int, measure_every: int, seed: int = 0,
-                  batch: int = 8, seq: int = 128, lr: float = 3e-3, z_loss: float = 1e-3) -> dict:
+                  batch: int = 8, seq: int = 128, lr: float = 3e-3, z_loss: float = 1e-3,
+                  bias_rate: float = 0.0) -> dict:
     """Train `MoETransformer(config)` (byte tokens) on `python_documentation_bytes` with AdamW,
     the load-balancing loss with `alpha` (0: none) and the router z-loss on every MoE layer; the
     routing statistics of a fixed held-out batch (the text's last batch·seq bytes) at step 0 and
-    every `measure_every` steps."""
+    every `measure_every` steps. `bias_rate` > 0 balances without a loss instead (DeepSeek-V3): after
+    every step each layer's choice bias moves by the rate towards the mean load (dtp.moe_routing)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: more threads only contend (and change the rounding)
     try:
-        return _train_on_text(config, alpha, steps, measure_every, seed, batch, seq, lr, z_loss)
+        return _train_on_text(config, alpha, steps, measure_every, seed, batch, seq, lr, z_loss, bias_rate)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train_on_text(config, alpha, steps, measure_every, seed, batch, seq, lr, z_loss) -> dict:
+def _train_on_text(config, alpha, steps, measure_every, seed, batch, seq, lr, z_loss, bias_rate) -> dict:
+    from .moe_routing import update_choice_bias
+
     data = python_documentation_bytes()
     held_out = data[-batch * seq:].view(batch, seq)
     training = data[:-batch * seq]
@@ -444,6 +453,10 @@ def _train_on_text(config, alpha, steps, measure_every, seed, batch, seq, lr, z_
         optimizer.zero_grad()
         (loss + auxiliary).backward()
         optimizer.step()
+        if bias_rate:  # outside autograd: the bias is counted, not learned
+            for layer in model.moe_layers():
+                layer.choice_bias.copy_(torch.from_numpy(update_choice_bias(
+                    layer.choice_bias.numpy(), layer.last_indices.numpy(), bias_rate)))
         history["loss"].append(loss.item())
         if step % measure_every == 0:
             history["step"].append(step)
@@ -455,9 +468,10 @@ def _train_on_text(config, alpha, steps, measure_every, seed, batch, seq, lr, z_
 # --- figures ---------------------------------------------------------------------------------------
 
 
-def imbalance_figure(histories: dict[str, dict], num_experts: int):
+def imbalance_figure(histories: dict[str, dict], num_experts: int, top_k: int | None = None):
     """The busiest expert's load over the mean load on the held-out batch, against training step,
-    one line per labelled run; 1 is perfect balance, E means every token on one expert."""
+    one line per labelled run; 1 is perfect balance, and E/k the ceiling (every token choosing the
+    same k experts: no expert can receive more than one of a token's k distinct choices)."""
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 3.8))
@@ -465,6 +479,9 @@ def imbalance_figure(histories: dict[str, dict], num_experts: int):
         axis.plot(history["step"], [s["imbalance"] for s in history["statistics"]], marker="o", markersize=3,
                   label=label)
     axis.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="perfect balance")
+    if top_k is not None:
+        axis.axhline(num_experts / top_k, color="black", linestyle=":", linewidth=1,
+                     label=f"ceiling E/k = {num_experts / top_k:g}")
     axis.set_ylim(0.8, None)
     axis.set_xlabel("training step")
     axis.set_ylabel(f"busiest expert's load / mean load\n(E·max f, {num_experts} experts)")

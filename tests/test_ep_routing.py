@@ -1,0 +1,47 @@
+"""dtp.moe_routing against brute-force loops, and its bias balancing inside the book's model."""
+import numpy as np
+import torch
+
+from dtp import moe, moe_routing
+
+
+def test_biased_routing_chooses_by_biased_score_and_weighs_by_probability():
+    rng = np.random.default_rng(0)
+    logits, bias = rng.standard_normal((30, 6)), rng.standard_normal(6) * 0.2
+    indices, weights = moe_routing.biased_top_k_routing(logits, bias, 2, renormalize=True)
+    probabilities = moe.softmax(logits)
+    for t in range(30):
+        order = sorted(range(6), key=lambda e: -(probabilities[t, e] + bias[e]))[:2]
+        assert indices[t].tolist() == order
+        chosen = probabilities[t, order]
+        assert np.allclose(weights[t], chosen / chosen.sum())
+    # a zero bias is the plain router
+    plain = moe.top_k_routing(logits, 2, True)
+    assert all(np.array_equal(a, b) for a, b in zip(moe_routing.biased_top_k_routing(logits, np.zeros(6), 2, True), plain))
+
+
+def test_bias_update_is_a_fixed_step_by_the_sign_of_the_error():
+    indices = np.array([[0, 1], [0, 2], [0, 1], [3, 1]])  # loads 3, 3, 1, 1; mean 2
+    new = moe_routing.update_choice_bias(np.array([0.1, 0.0, 0.0, -0.1]), indices, 0.01)
+    assert np.allclose(new, [0.09, -0.01, 0.01, -0.09])
+    balanced = np.array([[0, 1], [2, 3]])
+    assert np.array_equal(moe_routing.update_choice_bias(np.ones(4), balanced, 0.5), np.ones(4))
+
+
+def test_imbalance_ceiling_is_e_over_k():
+    assert moe_routing.load_imbalance(np.array([[0, 1]] * 5), 8, 2) == 4.0
+    assert moe_routing.load_imbalance(np.array([[0, 1], [2, 3], [4, 5], [6, 7]]), 8, 2) == 1.0
+
+
+def test_the_models_choice_bias_steers_choices_not_gates():
+    torch.manual_seed(0)
+    layer = moe.MoEFeedForward(8, 12, 4, 2)
+    x = torch.randn(20, 8)
+    plain = layer(x)
+    layer.choice_bias[:] = torch.tensor([10.0, 10.0, 0.0, 0.0])  # experts 0 and 1 for every token
+    biased = layer(x)
+    assert set(layer.last_indices.reshape(-1).tolist()) == {0, 1}
+    probabilities = torch.softmax(layer.router(x), dim=-1)[:, :2]
+    weights = probabilities / probabilities.sum(dim=-1, keepdim=True)
+    expected = sum(weights[:, e:e + 1] * layer.experts[e](x) for e in (0, 1))
+    assert torch.allclose(biased, expected, atol=1e-6) and not torch.allclose(biased, plain)

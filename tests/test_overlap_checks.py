@@ -233,3 +233,20 @@ def test_interview_names_the_no_prefetch_slip(tmp_notebook):
     slip = changed(INTERVIEW_CELL, ("return fsdp_forward_exposed_time(layers, gather_ms, layer_forward_ms, True)",
                                     "return layers * gather_ms"))
     assert_fails(graded(tmp_notebook, "overlap.interview", {"interview_ddp_exposed_ms": slip}), "without prefetch")
+
+
+def test_collective_matmul_accepts_the_ring_turning_the_other_way(tmp_notebook):
+    other_way = changed(RING_CELL, ("owner = (rank - step) % t", "owner = (rank + step) % t"),
+                        ("handles = [dist.isend(chunk, (rank + 1) % t), dist.irecv(incoming, (rank - 1) % t)]",
+                         "handles = [dist.irecv(incoming, (rank + 1) % t), dist.isend(chunk, (rank - 1) % t)]"))
+    result = graded(tmp_notebook, "overlap.collective_matmul", {"collective_matmul": other_way})
+    assert result.status == "passed", result.feedback
+
+
+def test_buckets_accept_flattening_helpers_and_waits_in_reverse(tmp_notebook):
+    flattened = changed(DDP_CELL, (
+        "flat = torch.cat([parameter.grad.reshape(-1) for parameter in self.buckets[index]])",
+        "flat = torch._utils._flatten_dense_tensors([parameter.grad for parameter in self.buckets[index]])"),
+        ("for index, flat, handle in self.in_flight:", "for index, flat, handle in reversed(self.in_flight):"))
+    result = graded(tmp_notebook, "overlap.bucket_overlap", {"OverlappingDDP": flattened})
+    assert result.status == "passed", result.feedback

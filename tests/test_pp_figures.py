@@ -29,3 +29,40 @@ def test_figures_label_their_axes():
     assert "ZB-H1: bubble" in gantt.get_axes()[-1].get_title(loc="left")
     logs = [[("F", 0, 1.0, 1.05), ("B", 0, 1.2, 1.3)], [("F", 0, 1.06, 1.11), ("B", 0, 1.11, 1.19)]]
     assert "ms" in pipeline_plots.measured_gantt_figure(logs, "a run").get_axes()[0].get_xlabel()
+
+
+COLUMN_PX = 680  # the book's text column; wider figures are scaled down to it
+
+
+def _texts(figure):
+    return [text for text in figure.findobj(lambda artist: hasattr(artist, "get_fontsize") and hasattr(artist, "get_text"))
+            if text.get_visible() and text.get_text().strip()]
+
+
+def test_figure_text_stays_at_least_9_px_in_the_books_column():
+    """Issue 21, item 21: figures were drawn 10-13.6 in wide and shown in a 680 px column, which
+    shrank their text to about 6 px. At 100 dpi a point is 100/72 px."""
+    timelines = {name: pipeline.simulate_named(name, 4, 8, 2) for name in pipeline.SCHEDULES}
+    logs = [[("F", k, 0.01 * k, 0.01 * k + 0.005) for k in range(4)] for _ in range(4)]
+    for figure in (pipeline_plots.gantt_figure(timelines), pipeline_plots.in_flight_figure(timelines),
+                   pipeline_plots.gantt_figure({"1F1B": timelines["1F1B"]}),
+                   pipeline_plots.measured_gantt_figure(logs, "a run"),
+                   pipeline_plots.measured_bubble_figure(4, [4, 8], [0.44, 0.29])):
+        width_px = figure.get_figwidth() * 100
+        scale = min(1.0, COLUMN_PX / width_px)
+        smallest = min(text.get_fontsize() * 100 / 72 * scale for text in _texts(figure))
+        assert smallest >= 9, (figure.get_axes()[0].get_title(loc="left"), smallest)
+
+
+def test_micro_batch_numbers_contrast_with_their_bar_also_on_hatched_chunks():
+    """Issue 21, item 21: a number sits on a solid patch of its bar's colour (hatching never runs
+    through it), in black or white, with a WCAG contrast of at least 4.5."""
+    figure = pipeline_plots.gantt_figure({"interleaved": pipeline.simulate_named("interleaved 1F1B", 2, 4, 2),
+                                          "ZB-H1": pipeline.simulate_named("ZB-H1", 2, 4)})
+    labels = [text for axis in figure.get_axes() for text in axis.texts]
+    assert labels
+    for text in labels:
+        patch = text.get_bbox_patch()
+        assert patch is not None and patch.get_fill()
+        assert pipeline_plots.contrast_ratio(text.get_color(), patch.get_facecolor()) >= 4.5
+    assert pipeline_plots.contrast_ratio("white", pipeline_plots.KIND_COLOURS["B"]) < 4.5  # why white was not enough

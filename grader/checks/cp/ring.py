@@ -1,0 +1,206 @@
+"""Exercises 2-4 of the context-parallel chapter: ring attention forward, its backward, and the
+zigzag layout, each on gloo worlds whose ranks hold slices of tensors the grader drew."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dtp.context_parallel import ring_backward_bytes_per_layer
+
+from ...compare import CheckFailed, expect, expect_close
+from ...registry import Check, exercise
+from ..common import completed_worlds, raise_world_failure, run_worlds
+from .harness import attention, backward_rank, contiguous, forward_rank, full_tensors, zigzag
+from .ring_pattern import (RingBlocks, check_not_all_held, check_ring_pattern, check_score_products, score_entries,
+                           unexpected_ops)
+
+FP32 = 4
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+
+
+def oracle(seed, heads, seq, d, causal):
+    q, k, v = (x.double() for x in full_tensors(seed, heads, seq, d))
+    return attention(q, k, v, causal)[0].numpy()
+
+
+def blockwise_causal_slip(seed, heads, seq, d, c):
+    """The output of a ring that masks causally inside the diagonal block but lets every query see
+    every other block, later ones included."""
+    q, k, v = (x.double() for x in full_tensors(seed, heads, seq, d))
+    block = torch.arange(seq) // (seq // c)
+    visible = (block[None, :] != block[:, None]) | torch.ones(seq, seq, dtype=torch.bool).tril()
+    scores = (q @ k.transpose(-1, -2) / np.sqrt(d)).masked_fill(~visible, float("-inf"))
+    return (torch.softmax(scores, -1) @ v).numpy()
+
+
+def judge_output(out, wanted, what, slips=()):
+    """`out` against `wanted`; a wrong output equal to a slip's gets the slip's feedback."""
+    out = np.asarray(out)
+    if out.shape == wanted.shape and not np.allclose(out, wanted, **TOLERANCE):
+        for feedback, value in slips:
+            if np.allclose(out, value, **TOLERANCE):
+                raise CheckFailed(f"{what} {feedback}")
+    expect_close(out, wanted, what, check_dtype=False, **TOLERANCE)
+
+
+@exercise("cp.ring_forward", points=4)
+class RingForward(Check):
+    """Verifies: on c = 2 (causal or not, drawn) and c = 4 (causal) gloo ranks with random heads,
+    tokens per rank and head size, every rank's output equals single-process attention on its
+    tokens; each rank used only send/recv, to one neighbour and from the other, and sent exactly
+    the K and V blocks the ring brought it, in order (its own, then each arrived block), c - 1
+    steps; no score product spans more than one block's keys; at c = 4 no receive buffer has room
+    for more than two blocks' K and V, and scores were computed between every two steps'
+    receives. A ring that forgets the causal mask across
+    blocks is named.
+    Fakes: an all-gather (or any collective) shows in the recorded operations; dummy messages are
+    not K/V blocks; receiving into slices of one buffer for all of K and V shows as its size;
+    receiving every block before computing shows in the order. Not caught: a rank that computes
+    each block as it arrives but also keeps every block in a list."""
+
+    reads = ("ring_attention",)
+    references = ("dtp.context_parallel.ring_attention_forward",)
+    timeout_s = 40
+    runs_world = True
+
+    def prepare(self, rng):
+        return [(c, int(rng.integers(1, 4)), c * int(rng.integers(2, 6)), int(rng.integers(6, 10)),
+                 bool(rng.integers(2)) if c == 2 else True, int(rng.integers(1 << 20))) for c in (2, 4)]
+
+    def collect(self, student, worlds):
+        return run_worlds(forward_rank, [(c, (student.ring_attention, seed, heads, seq, d, causal, "contiguous"))
+                                         for c, heads, seq, d, causal, seed in worlds])
+
+    def judge(self, worlds, outcomes) -> str:
+        done, failure = completed_worlds(outcomes)
+        for (c, heads, seq, d, causal, seed), per_rank in zip(worlds, done):
+            where = f"with c = {c} ranks{' (causal)' if causal else ''}"
+            blocks = RingBlocks(c, heads, seq, d, seed)
+            for rank, outcome in enumerate(per_rank):
+                check_ring_pattern(blocks, rank, outcome["events"], where)
+                check_score_products(blocks, rank, outcome["events"], where)
+                check_not_all_held(blocks, rank, outcome["events"], outcome["held"], where,
+                                   lambda source: causal and source > rank)
+            wanted = oracle(seed, heads, seq, d, causal)
+            slip = blockwise_causal_slip(seed, heads, seq, d, c) if causal else None
+            for rank, outcome in enumerate(per_rank):
+                rows = contiguous(seq, c)[rank]
+                slips = [] if slip is None else [(
+                    "is attention with the causal mask applied only inside the rank's own block: queries also saw "
+                    "the keys of later ranks' blocks. Skip (or mask) a block whose tokens all come after the "
+                    "rank's", slip[:, rows])]
+                judge_output(outcome["result"], wanted[:, rows], f"{where}: rank {rank}'s output", slips)
+        raise_world_failure(failure)
+        return ("outputs equal single-process attention for c = 2 and 4 (causal); K and V blocks passed on to one "
+                "neighbour in c - 1 steps, scores computed block by block, no rank holding all of K and V")
+
+
+@exercise("cp.ring_backward", points=3)
+class RingBackward(Check):
+    """Verifies: on c = 2 (causal) and c = 3 (causal or not) gloo ranks, dQ, dK and dV of every
+    rank's blocks equal single-process autograd of attention (the forward's output and
+    log-sum-exp given); only send/recv to ring neighbours; the bytes each rank sent equal the
+    formula: K and V in c - 1 steps and their gradients in c steps, 2(2c - 1)·blocks of fp32.
+    Fakes: collectives show in the recorded operations; sending dK/dV straight to their owner is
+    not a ring neighbour's message; extra or missing messages change the bytes."""
+
+    reads = ("ring_attention_backward",)
+    references = ("dtp.context_parallel.ring_attention_backward",)
+    timeout_s = 40
+    runs_world = True
+
+    def prepare(self, rng):
+        return [(c, int(rng.integers(1, 4)), c * int(rng.integers(2, 5)), int(rng.integers(3, 8)),
+                 True if c == 2 else bool(rng.integers(2)), int(rng.integers(1 << 20))) for c in (2, 3)]
+
+    def collect(self, student, worlds):
+        return run_worlds(backward_rank, [(c, (student.ring_attention_backward, seed, heads, seq, d, causal))
+                                          for c, heads, seq, d, causal, seed in worlds])
+
+    def judge(self, worlds, outcomes) -> str:
+        done, failure = completed_worlds(outcomes)
+        for (c, heads, seq, d, causal, seed), per_rank in zip(worlds, done):
+            where = f"with c = {c} ranks{' (causal)' if causal else ''}"
+            for rank, outcome in enumerate(per_rank):
+                events = outcome["events"]
+                other = unexpected_ops(events, {"send", "recv"})
+                expect(not other, f"{where}: rank {rank} called {', '.join(other)}; the backward passes K/V and their "
+                                  "gradients around the ring with send/recv")
+                peers = {e.get("peer") for e in events if e["op"] in ("send", "recv")}
+                expect(peers <= {(rank + 1) % c, (rank - 1) % c},
+                       f"{where}: rank {rank} exchanged messages with ranks {sorted(peers)}; in a ring each rank "
+                       "talks only to its two neighbours (dK/dV reach their owner by going on around the ring)")
+                sent = sum(e["bytes"] for e in events if e["op"] == "send")
+                wanted = ring_backward_bytes_per_layer(seq, heads * d, c, FP32)
+                expect(sent == wanted,
+                       f"{where}: rank {rank} sent {sent} bytes; the ring backward sends its K and V on in c - 1 = "
+                       f"{c - 1} steps and each block's dK/dV accumulator on in c = {c} steps (the last one brings "
+                       f"it home): {int(wanted)} bytes of fp32")
+            q, k, v, dout = (x.double().requires_grad_() for x in full_tensors(seed, heads, seq, d, count=4))
+            attention(q, k, v, causal)[0].backward(dout.detach())
+            for rank, outcome in enumerate(per_rank):
+                rows = contiguous(seq, c)[rank]
+                result = outcome["result"]
+                expect(isinstance(result, tuple) and len(result) == 3,
+                       f"{where}: rank {rank} returned {type(result).__name__}; return (dq, dk, dv)")
+                for name, got, full in zip(("dQ", "dK", "dV"), result, (q, k, v)):
+                    expect_close(got, full.grad[:, rows].numpy(), f"{where}: rank {rank}'s {name}", check_dtype=False,
+                                 **TOLERANCE)
+        raise_world_failure(failure)
+        return ("dQ, dK, dV equal single-process autograd for c = 2 and 3; K/V and dK/dV went around the ring, "
+                "bytes equal to the formula")
+
+
+@exercise("cp.zigzag", points=3)
+class Zigzag(Check):
+    """Verifies: on c = 3 and c = 4 gloo ranks, each holding chunks r and 2c-1-r of the sequence
+    in 2c chunks, every rank's causal attention output equals single-process attention on its
+    tokens, in the order it holds them; the ring pattern of exercise 2; and the score entries
+    each rank computed (query x key, from its matrix products) are balanced (the most within 20 %
+    of the least) and no more than the 2c + 1 chunk pairs of (s/2c)^2 the zigzag layout needs.
+    The output with its two chunks swapped is named.
+    Fakes: computing every block whole under a mask is balanced but costs c blocks per rank, more
+    than the formula; the contiguous split's work is unbalanced."""
+
+    reads = ("zigzag_ring_attention",)
+    references = ("dtp.context_parallel.ring_attention_forward", "dtp.context_parallel.zigzag_positions")
+    timeout_s = 40
+    runs_world = True
+
+    def prepare(self, rng):
+        # head size above any block's key count, so the score products are the ones with inner size d
+        return [(c, int(rng.integers(1, 4)), 2 * c * int(rng.integers(1, 4)), int(rng.integers(7, 11)),
+                 int(rng.integers(1 << 20))) for c in (3, 4)]
+
+    def collect(self, student, worlds):
+        return run_worlds(forward_rank, [(c, (student.zigzag_ring_attention, seed, heads, seq, d, True, "zigzag"))
+                                         for c, heads, seq, d, seed in worlds])
+
+    def judge(self, worlds, outcomes) -> str:
+        done, failure = completed_worlds(outcomes)
+        for (c, heads, seq, d, seed), per_rank in zip(worlds, done):
+            where = f"with c = {c} ranks (zigzag, causal)"
+            blocks = RingBlocks(c, heads, seq, d, seed, "zigzag")
+            for rank, outcome in enumerate(per_rank):
+                check_ring_pattern(blocks, rank, outcome["events"], where)
+            wanted = oracle(seed, heads, seq, d, True)
+            for rank, outcome in enumerate(per_rank):
+                rows = zigzag(seq, c)[rank]
+                half = len(rows) // 2
+                swapped = rows[half:] + rows[:half]
+                judge_output(outcome["result"], wanted[:, rows], f"{where}: rank {rank}'s output", [(
+                    f"has its two chunks swapped: rank {rank} holds chunk {rank} and then chunk {2 * c - 1 - rank}; "
+                    "return the outputs in the order of the rank's tokens", wanted[:, swapped])])
+            work = [score_entries(outcome["events"], heads, d) for outcome in per_rank]
+            chunk = seq // (2 * c)
+            most = (2 * c + 1) * chunk ** 2
+            expect(max(work) <= most,
+                   f"{where}: the ranks computed {[int(w) for w in work]} query x key scores per head; the zigzag "
+                   f"layout needs {most} on every rank (2c + 1 = {2 * c + 1} chunk pairs of {chunk} x {chunk}): "
+                   "split each block into its two chunks and skip the pairs whose keys all come after the queries")
+            expect(max(work) <= 1.2 * min(work),
+                   f"{where}: the ranks computed {[int(w) for w in work]} query x key scores per head; the zigzag "
+                   "layout exists to give every rank the same causal work")
+        raise_world_failure(failure)
+        return ("zigzag outputs equal single-process causal attention for c = 3 and 4, in each rank's token order; "
+                "every rank computed the same (2c + 1) chunk pairs of scores")

@@ -1,0 +1,112 @@
+"""Judging a ring from what each rank sent: every piece of every message must be one rank's K or V
+block (the grader drew them, so it recognises them), sent on to one neighbour, the block the rank
+holds at that step of the ring; and no rank may keep all the blocks it received."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...compare import CheckFailed, expect
+from .harness import contiguous, full_tensors, zigzag
+
+
+def unexpected_ops(events, allowed):
+    return sorted({e["op"] for e in events} - set(allowed) - {"wait", "mark", "compute"})
+
+
+class RingBlocks:
+    """Every rank's K and V blocks, as the harness cut them (float32, as sent)."""
+
+    def __init__(self, c, heads, seq, d, seed, layout="contiguous"):
+        self.c, self.heads, self.seq, self.d = c, heads, seq, d
+        _, k, v = full_tensors(seed, heads, seq, d)
+        self.positions = (zigzag if layout == "zigzag" else contiguous)(seq, c)
+        self.blocks = {(name, j): x[:, self.positions[j]].numpy().ravel()
+                       for name, x in (("K", k), ("V", v)) for j in range(c)}
+        self.size = heads * (seq // c) * d
+
+    def pieces(self, payloads) -> list:
+        """The message's payload cut into block-sized pieces, each named ("K", j), ("V", j) or None."""
+        flat = np.concatenate([np.ravel(np.asarray(p, dtype=np.float32)) for p in payloads]) if payloads else np.zeros(0)
+        named = []
+        for start in range(0, flat.size, self.size):
+            piece = flat[start:start + self.size]
+            named.append(next((key for key, block in self.blocks.items()
+                               if block.size == piece.size and np.array_equal(block, piece)), None))
+        return named
+
+
+def check_ring_pattern(blocks: RingBlocks, rank: int, events: list, where: str) -> None:
+    """Forward ring attention on one rank: send/recv only, one neighbour each way, c - 1 steps of K
+    and V, each step's block the one the ring brought (its own first)."""
+    c = blocks.c
+    other = unexpected_ops(events, {"send", "recv"})
+    expect(not other, f"{where}: rank {rank} called {', '.join(other)}; ring attention passes K/V blocks to the "
+                      "neighbour with send/recv (isend/irecv or batch_isend_irecv), so no rank gathers all of K and V")
+    sends = [e for e in events if e["op"] == "send"]
+    receives = [e for e in events if e["op"] == "recv"]
+    to, come = {e.get("peer") for e in sends}, {e.get("peer") for e in receives}
+    if c > 1 and (sends or receives):
+        expect((to, come) in (({(rank + 1) % c}, {(rank - 1) % c}), ({(rank - 1) % c}, {(rank + 1) % c})),
+               f"{where}: rank {rank} sent to ranks {sorted(p for p in to if p is not None)} and received from "
+               f"{sorted(p for p in come if p is not None)}; in a ring each rank sends to one neighbour and receives "
+               "from the other, every step")
+    step = 1 if to == {(rank + 1) % c} else -1
+    sent = [piece for e in sends for piece in blocks.pieces(e.get("payload", []))]
+    expect(None not in sent, f"{where}: rank {rank} sent data that is not a K or V block of any rank (a block "
+                             "changed before sending, or a block of a different size?); the ring passes each K/V "
+                             "block on unchanged")
+    keys = [j for name, j in sent if name == "K"]
+    values = [j for name, j in sent if name == "V"]
+    expect(values or not keys, f"{where}: rank {rank} sent K blocks but no V blocks; every query needs the values of "
+                               "every (earlier) token too: send each step's V with its K")
+    expect(keys or not values, f"{where}: rank {rank} sent V blocks but no K blocks; send each step's K with its V")
+    held = [(rank - step * i) % c for i in range(c - 1)]  # the block held at step i, sent on at that step
+    expect(len(receives) in (c - 1, 2 * (c - 1)) and sorted(keys) == sorted(held) and sorted(values) == sorted(held),
+           f"{where}: rank {rank} received {len(receives)} messages and sent the K blocks of ranks {keys} and V blocks "
+           f"of ranks {values}; in c - 1 = {c - 1} steps it should pass on the block it holds at each step: its own, "
+           f"then those of ranks {held[1:]} as they arrive")
+    expect(keys == held and values == held,
+           f"{where}: rank {rank} sent the blocks of ranks {keys} in that order; a rank can only pass on what the ring "
+           f"has brought it: its own block first, then each block the step after it arrived ({held})")
+
+
+def check_not_all_held(blocks: RingBlocks, rank: int, events: list, largest_buffer: int, where: str,
+                       skipped=lambda source: False) -> None:
+    """With c >= 3: no receive buffer bigger than two steps' K and V (a buffer for all of them),
+    and a score product between every two steps' receives (each block used as it arrives, not
+    all blocks received first), unless the block held in between is one a causal mask skips."""
+    c = blocks.c
+    if c < 3:
+        return
+    if largest_buffer > 4 * blocks.size:
+        raise CheckFailed(f"{where}: rank {rank} received into a buffer of {largest_buffer} elements, room for the K "
+                          f"and V of {largest_buffer // (2 * blocks.size)} ranks: it gathered K and V, which ring "
+                          "attention exists to avoid. Receive each step's block into a buffer of one (or two) blocks")
+    receives = [i for i, e in enumerate(events) if e["op"] == "recv"]
+    per_step = len(receives) // (c - 1) if receives and len(receives) % (c - 1) == 0 else 1
+    starts = receives[::per_step]
+    sends = [e for e in events if e["op"] == "send"]
+    step = 1 if sends and sends[0].get("peer") == (rank + 1) % c else -1
+    for i, (first, second) in enumerate(zip(starts, starts[1:])):
+        # the block computed here is the one held at step i, or at step i + 1 if the rank computes
+        # before it issues a step's messages
+        if skipped((rank - step * i) % c) and skipped((rank - step * (i + 1)) % c):
+            continue
+        if not any(e["op"] == "compute" and e.get("k") == blocks.d for e in events[first:second]):
+            raise CheckFailed(f"{where}: rank {rank} received the next block before computing any scores on the one "
+                              "that had arrived: a ring computes on each block while the next is in flight, so it "
+                              "never needs them all")
+
+
+def check_score_products(blocks: RingBlocks, rank: int, events: list, where: str) -> None:
+    """No score product spans more keys than one block: attention is computed block by block."""
+    block = blocks.seq // blocks.c
+    wide = [e for e in events if e["op"] == "compute" and e.get("k") == blocks.d and e.get("n", 0) > block]
+    expect(not wide, f"{where}: rank {rank} computed scores of its queries against {wide[0]['n'] if wide else 0} keys "
+                     f"at once; a ring computes each arriving block of {block} keys and merges it with the online "
+                     "softmax")
+
+
+def score_entries(events: list, heads: int, d: int) -> float:
+    """Query x key entries of the score products (inner size d), per head."""
+    return sum(e["batch"] * e["m"] * e["n"] for e in events if e["op"] == "compute" and e.get("k") == d) / heads

@@ -49,6 +49,10 @@ INTERVIEW_CELL = cell_defining("interview_ddp_exposed_ms")
      "return (units - 1) * max(0.0, gather_time - compute_time)", "leaves out the first unit's gather"),
     ("return (chunks - 1) * max(0.0, allgather_time / (chunks - 1) - gemm_time / chunks)",
      "return max(0.0, allgather_time - gemm_time)", "the last chunk's GEMM (G/t) has no transfer left"),
+    ("return forward + 2 * max(0.0, allreduce_time - weight_gradient_time)",
+     "return 4 * max(0.0, allreduce_time - weight_gradient_time)", "the next product needs their result"),
+    ("    return 2 * max(0.0, all_to_all_time - compute_time)",
+     "    return max(0.0, all_to_all_time - compute_time)", "counts one micro-batch"),
 ])
 def test_exposure_model_names_the_slip(tmp_notebook, old, new, feedback):
     result = graded(tmp_notebook, "overlap.exposure_model", {"ddp_exposed_time": changed(MODEL_CELL, (old, new))})

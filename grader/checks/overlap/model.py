@@ -20,17 +20,21 @@ def _regime(rng, hidden: bool) -> tuple[float, float]:
 @exercise("overlap.exposure_model", points=3)
 class ExposureModel(Check):
     """Verifies: the exposed communication of DDP with b buckets, of ZeRO-3's forward with and
-    without prefetch, and of collective matmul with t chunks, on random times where
-    communication is hidden and where it is not, b = 1 and t = 1 among them; known slips named.
+    without prefetch, of collective matmul with t chunks, of a Megatron TP layer (forward and
+    backward) and of a MoE layer's two micro-batches with and without overlap, on random times
+    where communication is hidden and where it is not, b = 1 and t = 1 among them; known slips
+    named.
     Fakes: dtp.overlap's functions trip; the times are drawn each grading."""
 
-    reads = ("ddp_exposed_time", "fsdp_forward_exposed_time", "collective_matmul_exposed_time")
+    reads = ("ddp_exposed_time", "fsdp_forward_exposed_time", "collective_matmul_exposed_time", "tp_layer_exposed_time",
+             "ep_exposed_time")
     references = ("dtp.overlap.ddp_exposed", "dtp.overlap.ddp_exposed_serial", "dtp.overlap.fsdp_forward_exposed",
-                  "dtp.overlap.collective_matmul_exposed", "dtp.overlap.exposed")
+                  "dtp.overlap.collective_matmul_exposed", "dtp.overlap.exposed", "dtp.overlap.tp_layer_exposed",
+                  "dtp.overlap.ep_exposed")
     timeout_s = 15
 
     def prepare(self, rng):
-        ddp, fsdp, matmul = [], [], []
+        ddp, fsdp, matmul, tp, ep = [], [], [], [], []
         for case, hidden in enumerate((True, False, True, False)):
             # DDP: "hidden" means the all-reduces fit in backward after the first bucket
             communication, backward = _regime(rng, hidden)
@@ -39,10 +43,14 @@ class ExposureModel(Check):
             fsdp.append((int(rng.integers(2, 13)), gather, compute, hidden or case == 1 or bool(rng.integers(2))))
             allgather, gemm = _regime(rng, hidden)
             matmul.append((allgather, gemm, int(rng.integers(2, 9))))
+            tp.append(_regime(rng, hidden))
+            ep.append((*_regime(rng, hidden), hidden or case == 1 or bool(rng.integers(2))))
         ddp.append((*_regime(rng, False), 1))
         fsdp.append((int(rng.integers(2, 13)), *_regime(rng, False), False))
         matmul.append((*_regime(rng, True), 1))
-        return {"ddp_exposed_time": ddp, "fsdp_forward_exposed_time": fsdp, "collective_matmul_exposed_time": matmul}
+        ep.append((*_regime(rng, False), False))
+        return {"ddp_exposed_time": ddp, "fsdp_forward_exposed_time": fsdp, "collective_matmul_exposed_time": matmul,
+                "tp_layer_exposed_time": tp, "ep_exposed_time": ep}
 
     def collect(self, student, cases):
         return {name: [getattr(student, name)(*args) for args in calls] for name, calls in cases.items()}
@@ -50,7 +58,8 @@ class ExposureModel(Check):
     @staticmethod
     def expected(name, *args):
         return {"ddp_exposed_time": overlap.ddp_exposed, "fsdp_forward_exposed_time": overlap.fsdp_forward_exposed,
-                "collective_matmul_exposed_time": overlap.collective_matmul_exposed}[name](*args)
+                "collective_matmul_exposed_time": overlap.collective_matmul_exposed,
+                "tp_layer_exposed_time": overlap.tp_layer_exposed, "ep_exposed_time": overlap.ep_exposed}[name](*args)
 
     @staticmethod
     def slips(name, *args):
@@ -72,6 +81,19 @@ class ExposureModel(Check):
                     "that leaves out the first unit's gather, which nothing can hide": (units - 1) * max(0.0, g - f),
                     "that charges max(0, g - f) to every unit; the first unit's gather is exposed in full":
                     units * max(0.0, g - f)}
+        if name == "tp_layer_exposed_time":
+            a, w = args
+            return {"that counts all four all-reduces as exposed: backward's run under the weight-gradient product": 4 * a,
+                    "that hides the forward all-reduces too; the next product needs their result, so both are exposed":
+                    4 * max(0.0, a - w),
+                    "that leaves out the forward: its two all-reduces are on the critical path": 2 * max(0.0, a - w)}
+        if name == "ep_exposed_time":
+            c, f, overlapped = args
+            if not overlapped:
+                return {"that is the overlapped layer; one micro-batch after the other exposes both all-to-alls":
+                        2 * max(0.0, c - f)}
+            return {"that is without overlap: each micro-batch's all-to-alls run under the other's compute": 2 * c,
+                    "that counts one micro-batch; both have all-to-alls": max(0.0, c - f)}
         a, g, t = args
         if t == 1:
             return {}
@@ -89,5 +111,6 @@ class ExposureModel(Check):
             for args, answer in zip(calls, given):
                 expect_answer(answer, self.expected(name, *args), describe_call(name, args, {}), rel=1e-9,
                               slips=self.slips(name, *args))
-        return ("exposed time of DDP buckets, of ZeRO-3's forward with and without prefetch and of collective matmul "
-                "match max(0, communication - independent compute) phase by phase, hidden and exposed cases alike")
+        return ("exposed time of DDP buckets, ZeRO-3's forward, collective matmul, a TP layer and a MoE layer's two "
+                "micro-batches match max(0, communication - independent compute) phase by phase, hidden and exposed "
+                "cases alike")

@@ -1,0 +1,188 @@
+"""Every check of the context-parallel chapter rejects plausible wrong answers with feedback that
+names the mistake (softmax without the running-max rescale, a ring that sends keys but not
+values, the causal mask forgotten between blocks, a zigzag that returns its chunks swapped, an
+all-gather where a ring or an all-to-all is asked for), and accepts correct answers written
+differently from the course's (isend/irecv instead of batch_isend_irecv)."""
+import nbformat
+import pytest
+
+from conftest import grade, solution_path
+
+SOLUTION = nbformat.read(solution_path("cp"), as_version=4)
+
+
+def cell_defining(name: str) -> str:
+    return next(cell.source for cell in SOLUTION.cells
+                if cell.cell_type == "code" and f"def {name}(" in cell.source)
+
+
+def changed(source: str, *replacements: tuple[str, str]) -> str:
+    for old, new in replacements:
+        assert old in source, old
+        source = source.replace(old, new)
+    return source
+
+
+def graded(tmp_notebook, exercise_id: str, replacements: dict):
+    return grade(tmp_notebook("cp", replacements), exercise_id)[exercise_id]
+
+
+def assert_fails(result, feedback: str):
+    assert result.status == "failed", result
+    assert feedback in result.feedback, result.feedback
+
+
+SOFTMAX_CELL = cell_defining("online_softmax_attention")
+RING_CELL = cell_defining("ring_attention")
+BACKWARD_CELL = cell_defining("ring_attention_backward")
+ZIGZAG_CELL = cell_defining("zigzag_ring_attention")
+ULYSSES_CELL = cell_defining("ulysses_attention")
+COSTS_CELL = cell_defining("ring_bytes_per_layer")
+INTERVIEW_CELL = cell_defining("interview_ulysses_degree")
+RING_STEP = ("handles = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (rank + 1) % c),\n"
+             "                                              dist.P2POp(dist.irecv, incoming, (rank - 1) % c)])")
+
+
+# --- exercise 1: the online softmax ---
+
+def test_online_softmax_names_sums_without_the_running_max_rescale(tmp_notebook):
+    slip = changed(SOFTMAX_CELL, ("rescale = np.where(seen, np.exp(np.where(seen, running_max - shift, 0.0)), 1.0)",
+                                  "rescale = np.ones(tokens)  # earlier sums kept as they were"),
+                   ("new_max = np.maximum(running_max, scores.max(axis=1))", "new_max = scores.max(axis=1)"))
+    assert_fails(graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": slip}),
+                 "sums exponentials taken against different maxima")
+
+
+def test_online_softmax_rejects_a_naive_exponential(tmp_notebook):
+    naive = changed(SOFTMAX_CELL, ("weights = np.exp(scores - shift[:, None])", "weights = np.exp(scores)"),
+                    ("rescale = np.where(seen, np.exp(np.where(seen, running_max - shift, 0.0)), 1.0)",
+                     "rescale = np.ones(tokens)"))
+    assert_fails(graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": naive}), "overflows")
+
+
+def test_online_softmax_rejects_storing_the_blocks_and_computing_at_the_end(tmp_notebook):
+    stored = changed(SOFTMAX_CELL, ("    for k_block, v_block in blocks:", "    for k_block, v_block in list(blocks):"))
+    assert graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": stored}).status == "failed"
+
+
+# --- exercise 2: ring attention forward ---
+
+def test_ring_rejects_sending_keys_but_not_values(tmp_notebook):
+    keys_only = changed(RING_CELL, ("kv = torch.stack([k, v])  # K and V travel together: one message per step",
+                                    "kv = torch.stack([k, k])  # only K travels; V stays local"))
+    assert_fails(graded(tmp_notebook, "cp.ring_forward", {"ring_attention": keys_only}), "sent K blocks but no V blocks")
+
+
+def test_ring_names_the_causal_mask_forgotten_between_blocks(tmp_notebook):
+    local_mask = changed(RING_CELL, ("                if causal and kp.min() > qp.max():\n"
+                                     "                    continue  # every key after every query: nothing to compute\n", ""),
+                         ("*block_attention(qc, kc, vc, qp, kp, causal)", "*block_attention(qc, kc, vc, qp, kp, causal and source == rank)"))
+    assert_fails(graded(tmp_notebook, "cp.ring_forward", {"ring_attention": local_mask}),
+                 "causal mask applied only inside the rank's own block")
+
+
+def test_ring_rejects_an_all_gather_of_k_and_v(tmp_notebook):
+    gathered = RING_CELL + '''
+
+
+def ring_attention(q, k, v, causal=False):
+    c = dist.get_world_size()
+    ks, vs = [torch.empty_like(k) for _ in range(c)], [torch.empty_like(v) for _ in range(c)]
+    dist.all_gather(ks, k)
+    dist.all_gather(vs, v)
+    rank, block = dist.get_rank(), q.shape[-2]
+    full = reference_attention(torch.cat([torch.zeros(q.shape[0], rank * block, q.shape[-1]), q,
+                                          torch.zeros(q.shape[0], (c - rank - 1) * block, q.shape[-1])], 1),
+                               torch.cat(ks, 1), torch.cat(vs, 1), causal)
+    return full[:, rank * block:(rank + 1) * block]
+'''
+    assert_fails(graded(tmp_notebook, "cp.ring_forward", {"ring_attention": gathered}), "called all_gather")
+
+
+def test_ring_rejects_receiving_every_block_before_computing(tmp_notebook):
+    first_all = changed(RING_CELL, (
+        "    for step in range(c):\n        if step < c - 1:",
+        "    arrived = [kv]\n"
+        "    for _ in range(c - 1):\n"
+        "        incoming = torch.empty_like(kv)\n"
+        "        for handle in dist.batch_isend_irecv([dist.P2POp(dist.isend, arrived[-1], (rank + 1) % c),\n"
+        "                                              dist.P2POp(dist.irecv, incoming, (rank - 1) % c)]):\n"
+        "            handle.wait()\n"
+        "        arrived.append(incoming)\n"
+        "    for step in range(c):\n"
+        "        kv = arrived[step]\n"
+        "        if False:"), ("        if step < c - 1:\n            for handle", "        if False:\n            for handle"))
+    assert_fails(graded(tmp_notebook, "cp.ring_forward", {"ring_attention": first_all}),
+                 "received the next block before computing any scores")
+
+
+def test_ring_accepts_isend_irecv(tmp_notebook):
+    plain = changed(RING_CELL, (RING_STEP, "handles = [dist.isend(kv, (rank + 1) % c), dist.irecv(incoming, (rank - 1) % c)]"))
+    assert graded(tmp_notebook, "cp.ring_forward", {"ring_attention": plain}).status == "passed"
+
+
+# --- exercise 3: the backward ---
+
+def test_ring_backward_rejects_gradients_that_never_come_home(tmp_notebook):
+    # the accumulators stop after c - 1 steps: each rank ends with a neighbour's dK/dV
+    short = changed(BACKWARD_CELL, ("        incoming_grad = torch.empty_like(dkv)",
+                                    "        if step == c - 1:\n            break\n        incoming_grad = torch.empty_like(dkv)"))
+    assert graded(tmp_notebook, "cp.ring_backward", {"ring_attention_backward": short}).status == "failed"
+
+
+# --- exercise 4: zigzag ---
+
+def test_zigzag_names_swapped_chunks(tmp_notebook):
+    swapped = changed(ZIGZAG_CELL, ("    return ring_pass(q, k, v, positions, True, pieces=2)[0]",
+                                    "    out = ring_pass(q, k, v, positions, True, pieces=2)[0]\n"
+                                    "    return torch.cat([out[:, chunk:], out[:, :chunk]], dim=1)"))
+    assert_fails(graded(tmp_notebook, "cp.zigzag", {"zigzag_ring_attention": swapped}), "two chunks swapped")
+
+
+def test_zigzag_rejects_whole_masked_blocks(tmp_notebook):
+    whole = changed(ZIGZAG_CELL, ("ring_pass(q, k, v, positions, True, pieces=2)", "ring_pass(q, k, v, positions, True)"))
+    assert_fails(graded(tmp_notebook, "cp.zigzag", {"zigzag_ring_attention": whole}), "chunk pairs")
+
+
+# --- exercise 5: Ulysses ---
+
+def test_ulysses_rejects_an_all_gather(tmp_notebook):
+    gathered = '''def ulysses_attention(q, k, v, causal=False):
+    c, rank = dist.get_world_size(), dist.get_rank()
+    parts = [[torch.empty_like(x) for _ in range(c)] for x in (q, k, v)]
+    for part, x in zip(parts, (q, k, v)):
+        dist.all_gather(part, x)
+    out = reference_attention(*(torch.cat(part, 1) for part in parts), causal)
+    return out[:, rank * q.shape[1]:(rank + 1) * q.shape[1]]
+'''
+    assert_fails(graded(tmp_notebook, "cp.ulysses", {"ulysses_attention": gathered}), "called all_gather")
+
+
+def test_ulysses_accepts_all_to_all_single(tmp_notebook):
+    single = '''def ulysses_attention(q, k, v, causal=False):
+    c = dist.get_world_size()
+    heads, block, d = q.shape
+    qkv = torch.stack([q, k, v]).reshape(3, c, heads // c, block, d).transpose(0, 1).contiguous()
+    received = torch.empty_like(qkv)
+    dist.all_to_all_single(received, qkv)  # received[j]: rank j's tokens of my heads
+    full = received.permute(1, 2, 0, 3, 4).reshape(3, heads // c, c * block, d)
+    local = reference_attention(full[0], full[1], full[2], causal)
+    send = local.reshape(heads // c, c, block, d).transpose(0, 1).contiguous()
+    back = torch.empty_like(send)
+    dist.all_to_all_single(back, send)
+    return back.reshape(heads, block, d)
+'''
+    assert graded(tmp_notebook, "cp.ulysses", {"ulysses_attention": single}).status == "passed"
+
+
+# --- exercise 6: costs and interview ---
+
+def test_costs_name_forgetting_v(tmp_notebook):
+    slip = changed(COSTS_CELL, ("return (c - 1) * 2 * tokens / c * kv_hidden * dtype_bytes",
+                                "return (c - 1) * tokens / c * kv_hidden * dtype_bytes"))
+    assert_fails(graded(tmp_notebook, "cp.costs", {"ring_bytes_per_layer": slip}), "counts K only")
+
+
+def test_interview_names_splitting_query_heads(tmp_notebook):
+    slip = changed(INTERVIEW_CELL, ("    return kv_heads // t", "    return heads // t"))
+    assert_fails(graded(tmp_notebook, "cp.interview", {"interview_ulysses_degree": slip}), "splits the query heads")

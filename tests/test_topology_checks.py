@@ -214,13 +214,19 @@ PLANNER = "plan_layouts"
     ('"bubble": (pp - 1) / (m + pp - 1)', '"bubble": (pp - 1) / m', "(p-1)/(m+p-1)"),
     ("return sorted(rows, key=lambda row: row[\"step_time_s\"])",
      "return sorted(rows, key=lambda row: -row[\"step_time_s\"])", "best (fastest) first"),
-    ("for stage in ((0, 1, 2, 3) if pp == 1 else (0, 1)):", "for stage in (0, 1):", "leaves out"),
-    ("links = links or dimension_links(sizes, order, cluster.gpus_per_node)",
-     "links = dimension_links(sizes, order[::-1], cluster.gpus_per_node)", "node_bytes"),
-    ("gathers = 3 if stage == 3 else 2", "gathers = 2", "expected"),
+    ("for stage in (0, 1, 2, 3):", "for stage in ((0, 1, 2, 3) if pp == 1 else (0, 1)):", "leaves out"),
+    ("links = dict(links or dimension_links(sizes, order, cluster.gpus_per_node))",
+     "links = dict(dimension_links(sizes, order[::-1], cluster.gpus_per_node))", "node_bytes"),
+    ('sent = zero.accumulation_bytes_sent_per_gpu(n, d, m, stage, bool(every), w, w)',
+     'sent = zero.accumulation_bytes_sent_per_gpu(n, d, m, stage, False, w, w)', "once per step"),
+    ('capacity = moe.expert_capacity(b * s // tp, model.experts',
+     'capacity = moe.expert_capacity(b * s, model.experts', "dispatch the whole micro-batch"),
+    ('if stage >= 2 and not every:  # a full gradient buffer', 'if False:  # a full gradient buffer',
+     ("memory_bytes", "does not fit")),
     ('"pp": min(2, pp - 1) * m * message / tp,', '"pp": 2 * m * message / tp,', "expected"),
-], ids=["activations-ignored", "bubble-over-ideal", "slowest-first",
-        "zero-2-and-3-forgotten", "tp-outermost-links", "zero-3-sends-like-zero-2", "pp-edge-stages"])
+], ids=["activations-ignored", "bubble-over-ideal", "slowest-first", "zero-2-and-3-without-pp-only",
+        "tp-outermost-links", "dp-once-per-step-with-sharded-gradients", "ep-dispatches-the-whole-micro-batch",
+        "unsharded-accumulation-without-its-memory", "pp-edge-stages"])
 def test_planner_rejects(tmp_notebook, old, new, feedback):
     source = variant(PLANNER, old, new)
     assert_fails(graded(tmp_notebook, "topology.planner", {PLANNER: source}), feedback)
@@ -255,26 +261,30 @@ import itertools as _itertools
 def plan_layouts(model, cluster, training):
     # Enumerates with itertools.product, keeps extra keys, breaks ties by the smallest memory.
     rows = []
-    for tp, pp, stage in _itertools.product(divisors(cluster.gpus_per_node), divisors(model.layers), range(4)):
-        if model.heads % tp or model.seq % tp or cluster.gpus % (tp * pp) or (pp > 1 and stage > 1):
+    for tp, pp, stage, every in _itertools.product(divisors(cluster.gpus_per_node), divisors(model.layers), range(4),
+                                                   (0, 1)):
+        if model.heads % tp or model.seq % tp or cluster.gpus % (tp * pp) or (every and stage < 2):
             continue
         dp = cluster.gpus // (tp * pp)
         if training.global_batch % (dp * training.micro_batch):
             continue
         m = training.global_batch // (dp * training.micro_batch)
         for ep in [e for e in range(1, dp + 1) if dp % e == 0 and model.experts % e == 0] if model.experts > 1 else [1]:
-            if m >= pp:
-                row = layout_row(model, cluster, training, (tp, pp, dp, ep, stage, m))
-                if row["memory_bytes"] <= cluster.memory_bytes:
-                    rows.append(dict(row, fits=True))
+            folds = model.experts > 1 and tp > 1 and model.experts % (tp * ep) == 0
+            for expert_tp in ({tp, 1} if folds else {tp}):
+                if m >= pp:
+                    row = layout_row(model, cluster, training, (tp, pp, dp, ep, stage, m, every, expert_tp))
+                    if row["memory_bytes"] <= cluster.memory_bytes:
+                        rows.append(dict(row, fits=True))
     return sorted(rows, key=lambda row: (row["step_time_s"], row["memory_bytes"]))
 '''
 
 
 PLANNER_WITH_THE_CALCULATOR_S_PEAK = variant(PLANNER, """    totals = []
-    for where in ("first", "last"):""", """    # a dense model: the calculator's peak as it is; an MoE model: each stage adjusted, as the course does
-    totals = [] if is_moe else [sum(calculator.peak_memory_per_gpu(model.config, training.recipe, dense_layout)[1].values())]
-    for where in (("first", "last") if is_moe else ()):""")
+    for where in ("first", "last"):""", """    # a dense model reducing as the calculator assumes: its peak as it is; else each stage adjusted, as the course does
+    adjusted = is_moe or (stage >= 2 and not every)
+    totals = [] if adjusted else [sum(calculator.peak_memory_per_gpu(model.config, training.recipe, dense_layout)[1].values())]
+    for where in (("first", "last") if adjusted else ()):""")
 
 
 @pytest.mark.parametrize("source", [PLANNER_WITH_PRODUCT_AND_TIE_BREAK, PLANNER_WITH_THE_CALCULATOR_S_PEAK],
@@ -420,6 +430,7 @@ def test_interview_refuses_the_courses_planner(tmp_notebook):
         'return layout_row(MOE_409B, H100_CLUSTER, FOUR_MILLION_TOKENS, layout)["memory_bytes"] / 2**30',
         'from dtp import topology_planner\n    return topology_planner.evaluate(MOE_409B, H100_CLUSTER, '
         'FOUR_MILLION_TOKENS, topology_planner.PlannedLayout(*layout))["memory_bytes"] / 2**30')
+    assert 'layout_row(MOE_409B, H100_CLUSTER, FOUR_MILLION_TOKENS, layout)["memory_bytes"]' in interview_cell()
     assert_fails(graded(tmp_notebook, "topology.interview", {ANSWERS: cell}), "uses the course's reference")
 
 

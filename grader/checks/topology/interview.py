@@ -15,6 +15,8 @@ from .planning import PLANNER_REFERENCES
 NOTES_LAYOUT = planner.PlannedLayout(tp=8, pp=8, dp=16, ep=8, zero_stage=1, micro_batches=64)
 QUESTION = (planner.MOE_409B, planner.H100_CLUSTER, planner.FOUR_MILLION_TOKENS)
 LAYOUT_QUESTIONS = ("interview_memory_gib", "interview_ep_seconds", "interview_step_time_ratio")
+# A layout question gives the first six fields: gradients reduced once per step, experts split by TP.
+QUESTION_FIELDS = planner.LAYOUT_FIELDS[:6]
 
 
 def ep_group_nodes(tp: int, ep: int, gpus_per_node: int) -> int:
@@ -26,7 +28,8 @@ def ep_group_nodes(tp: int, ep: int, gpus_per_node: int) -> int:
 @functools.lru_cache(maxsize=1)
 def _layouts_with_ep() -> list:
     """The layouts a random question asks about: the planner's candidates with EP, but the notes' own."""
-    return [layout for layout in planner.candidate_layouts(*QUESTION) if layout.ep > 1 and layout != NOTES_LAYOUT]
+    return [layout for layout in planner.candidate_layouts(*QUESTION) if layout.ep > 1 and layout != NOTES_LAYOUT
+            and not layout.reduce_every_micro_batch and layout.expert_tp == layout.tp]
 
 
 @functools.lru_cache(maxsize=1)
@@ -48,7 +51,7 @@ class Interview(InterviewQuestions):
     reads = ("interview_ep_group_nodes",) + LAYOUT_QUESTIONS
     references = PLANNER_REFERENCES + LINK_REFERENCES + LAYOUT_REFERENCES + ("dtp.topology.nodes_spanned",)
     asked = {"interview_ep_group_nodes": (8, 8, 8),
-             **{name: tuple(getattr(NOTES_LAYOUT, field) for field in planner.LAYOUT_FIELDS)
+             **{name: tuple(getattr(NOTES_LAYOUT, field) for field in QUESTION_FIELDS)
                 for name in LAYOUT_QUESTIONS}}
     timeout_s = 40  # the step-time ratio may run the learner's whole planner once per question
     rel = 1e-6
@@ -66,7 +69,7 @@ class Interview(InterviewQuestions):
             return int(rng.choice([1, 2, 4, 8])), int(rng.choice([2, 4, 8, 16])), int(rng.choice([4, 8, 16]))
         candidates = _layouts_with_ep()
         layout = candidates[int(rng.integers(len(candidates)))]
-        return tuple(int(getattr(layout, field)) for field in planner.LAYOUT_FIELDS)
+        return tuple(int(getattr(layout, field)) for field in QUESTION_FIELDS)
 
     def expected(self, name, *args):
         if name == "interview_ep_group_nodes":

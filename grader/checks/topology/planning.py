@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtp import topology
+from dtp import moe, topology, zero
 from dtp import topology_planner as planner
 
 from ...compare import CheckFailed, expect, expect_answer
@@ -13,7 +13,8 @@ from .layout import LINK_REFERENCES
 
 PLANNER_REFERENCES = tuple(f"dtp.topology_planner.{name}" for name in (
     "plan", "evaluate", "candidate_layouts", "step_time", "traffic_per_gpu", "memory_per_gpu",
-    "peak_memory_per_gpu", "moe_extra_activation_bytes_per_layer", "bytes_by_link", "model_flops_utilization"))
+    "peak_memory_per_gpu", "moe_extra_activation_bytes_per_layer", "bytes_by_link", "model_flops_utilization",
+    "dp_bytes_per_gpu", "expert_tokens_per_gpu", "folded_group_link"))
 
 
 ROW_FIELDS = planner.LAYOUT_FIELDS + ("memory_bytes", "intra_node_bytes", "inter_node_bytes", "bubble", "step_time_s")
@@ -86,7 +87,10 @@ class Planner(Check):
     that some candidate layouts fit and some do not, some only if activations were left out),
     that the listed layouts are exactly the candidates that fit (none listed that does not fit,
     none missing), and for each its memory per GPU, bytes per step on each link class, bubble and
-    estimated step time, best first.
+    estimated step time, best first. The draws always include a fitting ZeRO-2/3 layout reducing
+    every one of several micro-batches, one with ZeRO-2/3 and PP > 1, and an MoE layout with TP and
+    EP, so that DP traffic counted once per step with sharded gradients, and every TP rank
+    dispatching the whole micro-batch, are refused by name.
     Fakes: dtp.topology_planner's planner functions trip; the cases are random.
     """
 
@@ -97,7 +101,14 @@ class Planner(Check):
     def prepare(self, rng):
         while True:
             cases = [_planner_case(rng, moe) for moe in (False, True, bool(rng.integers(2)))]
-            if any(_links_tell_the_order(*case) for case in cases):
+            rows = [row for case in cases for row in planner.plan(*case)]
+            # Cases where the corrections matter: a fitting ZeRO-2/3 layout reducing every one of
+            # several micro-batches (once per step would be wrong), one with ZeRO and PP > 1, and an
+            # MoE layout with TP and EP (dispatching the whole micro-batch would be wrong).
+            if (any(_links_tell_the_order(*case) for case in cases)
+                    and any(r["reduce_every_micro_batch"] and r["micro_batches"] > 1 and r["dp"] > 1 for r in rows)
+                    and any(r["zero_stage"] >= 2 and r["pp"] > 1 for r in rows)
+                    and any(r["tp"] > 1 and r["ep"] > 1 and r["expert_tp"] > 1 for r in rows)):
                 return cases
 
     def collect(self, student, cases):
@@ -131,14 +142,21 @@ def _judge_plan(model, cluster, training, rows) -> None:
     for key in listed:
         tp, pp, dp, ep = key[:4]
         if key not in candidates:
+            every, expert_tp = key[6:8]
+            if every and key[4] < 2:
+                raise CheckFailed(f"plan_layouts ({what}) lists {_show(key)}: reduce_every_micro_batch = 1 is a "
+                                  "choice for ZeRO-2 and 3 only (stage 0 and 1 reduce once per step)")
+            if expert_tp != tp and not model.is_moe:
+                raise CheckFailed(f"plan_layouts ({what}) lists {_show(key)}: a dense model's expert_tp is its tp")
             if tp * pp * dp != cluster.gpus:
                 raise CheckFailed(f"plan_layouts ({what}) lists {_show(key)}, which uses tp·pp·dp = {tp * pp * dp} "
                                   f"GPUs; the cluster has {cluster.gpus}. EP is carved out of DP: tp·pp·dp = GPUs, "
                                   "and ep divides dp")
             raise CheckFailed(f"plan_layouts ({what}) lists {_show(key)}, which is not among the layouts to "
                               "enumerate (tp divides a node's GPUs, the heads and the sequence; pp divides the layers; "
-                              "ep divides dp and the experts; ZeRO 0-1 with pp > 1; m = batch/(dp·b) whole and at "
-                              "least pp)")
+                              "ep divides dp and the experts; ZeRO 0-3 with any pp, stages 2 and 3 both ways of "
+                              "accumulating; expert_tp = tp, or 1 when tp > 1 and tp·ep divides the experts; "
+                              "m = batch/(dp·b) whole and at least pp)")
         if key not in oracle:
             stage, breakdown = planner.peak_memory_per_gpu(model, training, candidates[key])
             total, activations = sum(breakdown.values()), breakdown["activations"]
@@ -175,10 +193,14 @@ def _judge_row(model, cluster, training, row, right, what, layout) -> None:
     times = right["times"]
     expect_answer(row["memory_bytes"], right["memory_bytes"], f"{where}: memory_bytes", rel=1e-6, slips={
         "that leaves out the activations": _without_activations(model, training, layout)})
+    slips = _traffic_slips(model, cluster, training, layout, right["traffic"])
     for field, link, other in (("intra_node_bytes", topology.INTRA_NODE, "inter_node_bytes"),
                                ("inter_node_bytes", topology.INTER_NODE, "intra_node_bytes")):
         if np.isclose(row[field], right[field], rtol=1e-6):
             continue
+        for feedback, traffic in slips.items():
+            if np.isclose(row[field], planner.bytes_by_link(traffic)[link], rtol=1e-6):
+                raise CheckFailed(f"{where}: {field} is {row[field]:.6g}, expected {right[field]:.6g}: {feedback}")
         on_link = [f"{name} {entry['bytes']:.6g}" for name, entry in right["traffic"].items()
                    if entry["link"] == link and entry["bytes"]]
         hint = (" That is the other link class's total: with TP innermost, TP's groups (and EP's, when t·e GPUs "
@@ -191,9 +213,50 @@ def _judge_row(model, cluster, training, row, right, what, layout) -> None:
         "(p-1)/(m+p-1)": pipeline_bubble_over_ideal(row)})
     parts = ", ".join(f"{name} {seconds:.4g} s" for name, seconds in times.items() if name != "total" and seconds)
     try:
-        expect_answer(row["step_time_s"], right["step_time_s"], f"{where}: step_time_s", rel=1e-6)
+        expect_answer(row["step_time_s"], right["step_time_s"], f"{where}: step_time_s", rel=1e-6, slips={
+            feedback: planner.step_time(model, cluster, training, layout, traffic)["total"]
+            for feedback, traffic in slips.items()})
     except CheckFailed as failed:
         raise CheckFailed(f"{failed} (expected parts: {parts})") from None
+
+
+ONCE_PER_STEP = ("that counts the data-parallel traffic once per step, but with ZeRO-2/3 gradients kept sharded "
+                 "every micro-batch reduce-scatters its gradients (and ZeRO-3 gathers the weights for each "
+                 "micro-batch): zero.accumulation_bytes_sent_per_gpu with reduce_every_micro_batch")
+WHOLE_MICRO_BATCH = ("that has every GPU of a TP group dispatch the whole micro-batch's b·s tokens; with sequence "
+                     "parallelism each TP rank dispatches its own b·s/t (capacity from b·s//t tokens)")
+
+
+def _traffic_slips(model, cluster, training, layout, right) -> dict[str, dict]:
+    """The traffic (as planner.traffic_per_gpu gives it) of two plausible mistakes, where they
+    differ from the right traffic: DP bytes once per step with sharded gradients, and EP
+    dispatching the whole micro-batch on every TP rank."""
+    slips = {}
+    t, p, e, w = layout.tp, layout.pp, layout.ep, training.bytes_per_value
+    if layout.reduce_every_micro_batch and layout.micro_batches > 1:
+        counts = planner.parameter_counts(model)
+        wrong = {name: dict(entry) for name, entry in right.items()}
+        wrong["dp"]["bytes"] = zero.communication_bytes_per_gpu(counts["non_expert"] / (t * p), layout.dp,
+                                                                layout.zero_stage, w)
+        if model.is_moe:
+            wrong["expert_dp"]["bytes"] = zero.communication_bytes_per_gpu(counts["experts"] / (t * p * e),
+                                                                           layout.dp // e, layout.zero_stage, w)
+        slips[ONCE_PER_STEP] = wrong
+    if model.is_moe and t > 1:
+        tokens = training.micro_batch * model.seq
+        capacity = {n: moe.expert_capacity(n, model.experts, model.top_k, model.capacity_factor)
+                    for n in (tokens // t, tokens)}
+        if capacity[tokens] != capacity[tokens // t]:
+            wrong = {name: dict(entry) for name, entry in right.items()}
+            scale = capacity[tokens] / capacity[tokens // t]
+            wrong["ep"]["bytes"] *= scale
+            if layout.expert_tp > 1:  # the experts' all-gather and reduce-scatter move the larger buffers too
+                passes = 3 if training.recompute == "full" else 2
+                per_row = (model.layers // p) * layout.micro_batches * 2 * (t - 1) * model.experts * model.hidden \
+                    * w * passes
+                wrong["tp"]["bytes"] += per_row * (capacity[tokens] - capacity[tokens // t])
+            slips[WHOLE_MICRO_BATCH] = wrong
+    return slips
 
 
 def pipeline_bubble_over_ideal(row) -> float:

@@ -80,3 +80,47 @@ def update_bias(bias, expert_indices, rate):
 
 def test_bias_balancing_accepts_a_torch_router_and_a_loop(tmp_notebook):
     assert graded(tmp_notebook, "ep.bias_balancing", {"biased_router": BIAS_IN_TORCH}).status == "passed"
+
+
+# --- exercise 8: shared and fine-grained experts ---
+
+SHARED_TEMPLATE = '''
+def moe_total_parameters(hidden, expert_hidden, routed, shared, k):
+    return {TOTAL}
+
+
+def moe_active_parameters(hidden, expert_hidden, routed, shared, k):
+    return {ACTIVE}
+
+
+def moe_flops_per_token(hidden, expert_hidden, routed, shared, k):
+    return {FLOPS}
+'''
+SHARED_RIGHT = dict(TOTAL="(routed + shared) * 3 * hidden * expert_hidden + hidden * routed",
+                    ACTIVE="(k + shared) * 3 * hidden * expert_hidden + hidden * routed",
+                    FLOPS="2 * moe_active_parameters(hidden, expert_hidden, routed, shared, k)")
+
+
+@pytest.mark.parametrize("changes, feedback", [
+    (dict(), None),
+    (dict(TOTAL="(routed + shared) * (3 * hidden * expert_hidden + hidden)"), "the router scores only the routed"),
+    (dict(ACTIVE="k * 3 * hidden * expert_hidden + hidden * routed"), "every shared expert besides its k routed"),
+    (dict(ACTIVE="(k + shared) * 2 * hidden * expert_hidden + hidden * routed"), "three h×f matrices"),
+    (dict(FLOPS="moe_active_parameters(hidden, expert_hidden, routed, shared, k)"), "a multiply-add is 2 FLOPs"),
+    (dict(FLOPS="2 * moe_total_parameters(hidden, expert_hidden, routed, shared, k)"), "counts every expert's FLOPs"),
+], ids=["template-is-right", "shared-in-router", "shared-left-out-of-active", "two-matrices", "flops-not-doubled",
+        "flops-of-all-experts"])
+def test_shared_experts(tmp_notebook, changes, feedback):
+    result = graded(tmp_notebook, "ep.shared_experts",
+                    {"moe_total_parameters": SHARED_TEMPLATE.format(**{**SHARED_RIGHT, **changes})})
+    if feedback is None:
+        assert result.status == "passed", result
+    else:
+        assert result.status == "failed" and result.points == 0, result
+        assert feedback in result.feedback, result
+
+
+def test_shared_experts_refuses_numbers_copied_from_the_page(tmp_notebook):
+    cell = "moe_total_parameters = 3775940608\nmoe_active_parameters = 42009600\nmoe_flops_per_token = 84019200\n"
+    result = graded(tmp_notebook, "ep.shared_experts", {"moe_total_parameters": cell})
+    assert result.points == 0 and "should be a function" in result.feedback, result

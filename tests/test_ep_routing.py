@@ -45,3 +45,27 @@ def test_the_models_choice_bias_steers_choices_not_gates():
     weights = probabilities / probabilities.sum(dim=-1, keepdim=True)
     expected = sum(weights[:, e:e + 1] * layer.experts[e](x) for e in (0, 1))
     assert torch.allclose(biased, expected, atol=1e-6) and not torch.allclose(biased, plain)
+
+
+def test_moe_ffn_counts_match_torch_modules_and_flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dtp import moe_experts
+    hidden, width, routed, shared, k = 16, 12, 6, 2, 2
+    router = torch.nn.Linear(hidden, routed, bias=False)
+    experts = [moe.SwiGLUExpert(hidden, width) for _ in range(routed + shared)]
+    counted = sum(p.numel() for m in [router, *experts] for p in m.parameters())
+    assert moe_experts.moe_ffn_parameters(hidden, width, routed, shared, k)["total"] == counted
+    x = torch.randn(1, hidden)
+    with FlopCounterMode(display=False) as counter:  # one token: router, k routed and the shared experts
+        router(x)
+        for expert in experts[:k] + experts[routed:]:
+            expert(x)
+    assert moe_experts.moe_ffn_flops_per_token(hidden, width, routed, shared, k) == counter.get_total_flops()
+
+
+def test_deepseek_v3_totals_are_the_reports():
+    from dtp import moe_experts
+    counts = moe_experts.deepseek_parameter_counts()
+    assert round(counts["total"] / 1e9) == 671  # DeepSeek-AI 2024: 671B total, 37B activated per token
+    assert int(counts["active"] / 1e9) == 37

@@ -17,3 +17,4 @@ from . import expert_parallel  # noqa: F401  exercise 4, on gloo
 from . import all_to_all_bytes  # noqa: F401  exercise 5
 from . import interview  # noqa: F401  exercise 6
 from . import bias_balancing  # noqa: F401  exercise 7: auxiliary-loss-free balancing
+from . import shared_experts  # noqa: F401  exercise 8: shared and fine-grained experts

@@ -194,6 +194,20 @@ def ring_attention_backward(q, k, v, out, lse, dout, causal=False):
     return dq, dkv[0], dkv[1]
 
 
+def allgather_kv_attention(q, k, v, causal=False, layout=None):
+    """Llama 3's context parallelism: all-gather K and V (small under grouped-query attention),
+    then attention of this rank's queries over the whole sequence, with any mask; `layout` lists
+    every rank's token positions (contiguous by default, or zigzag)."""
+    rank, c = dist.get_rank(), dist.get_world_size()
+    layout = layout if layout is not None else contiguous_positions(q.shape[-2] * c, c)
+    kv = torch.stack([k, v])
+    gathered = [torch.empty_like(kv) for _ in range(c)]
+    dist.all_gather(gathered, kv)
+    keys = torch.cat([g[0] for g in gathered], dim=-2)
+    values = torch.cat([g[1] for g in gathered], dim=-2)
+    return masked_block(q, keys, values, layout[rank], torch.cat(layout), causal)[0]
+
+
 # --- Ulysses ------------------------------------------------------------------------------------
 
 

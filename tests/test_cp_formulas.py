@@ -127,3 +127,22 @@ def test_activation_memory_per_rank_divides_by_c():
     one = cp.activation_bytes_per_rank(131072, 1, 16384, 128, 126, 8, 1)
     assert one == memory.activation_bytes(126, 131072, 1, 16384, 128, 8, sequence_parallel=True, recompute="selective")
     assert cp.activation_bytes_per_rank(131072, 1, 16384, 128, 126, 8, 16) == pytest.approx(one / 16)
+
+
+def _allgather_rank(rank, c, seed, heads, seq, d):
+    q, k, v = _full(seed, heads, seq, d)
+    layout = cp.zigzag_positions(seq, c)
+    mine = layout[rank]
+    with CommunicationLog() as log:
+        out = cp.allgather_kv_attention(q[:, mine], k[:, mine], v[:, mine], True, layout)
+    return out, sum(event["bytes"] for event in log.of("all_gather"))
+
+
+def test_allgather_kv_attention_equals_attention_and_sends_the_formula():
+    c, heads, seq, d = 4, 2, 16, 3
+    q, k, v = _full(4, heads, seq, d)
+    wanted = cp.attention_torch(q, k, v, True)
+    for rank, (out, contributed) in enumerate(run_world(_allgather_rank, c, (4, heads, seq, d))):
+        torch.testing.assert_close(out, wanted[:, cp.zigzag_positions(seq, c)[rank]])
+        # its block goes to each of the c - 1 others
+        assert (c - 1) * contributed == cp.allgather_kv_bytes_per_layer(seq, heads * d, c, dtype_bytes=8)

@@ -97,7 +97,7 @@ def _peak_slips(name: str, p: int, m: int, stage: int, v: int) -> dict:
                 "stage s holds at most p - s, but never more than the m micro-batches there are": p - stage}
     if name == "ZB-H1":
         return {"that is 1F1B's peak; ZB-H1 also keeps up to s weight gradients pending on stage s, and a micro-batch "
-                "is held until its W: min(p, m) on every stage": min(p - stage, m),
+                "counts as held until its W: min(p, m) on every stage": min(p - stage, m),
                 "that is GPipe's peak; ZB-H1 holds no more than 1F1B's first stage, min(p, m)": m}
     if name == "interleaved 1F1B":
         warm_up = (v - 1) * p + 2 * (p - stage - 1)

@@ -162,7 +162,8 @@ def _judge_timeline(case: dict, answer) -> None:
         split = any(op[0] == "W" for ops in schedule for op in ops)
         if split and list(peaks) == [_peak(ops, False) for ops in schedule]:
             raise CheckFailed(f"for {what} peak_in_flight is {list(peaks)}: with a split backward a micro-batch's "
-                              "activations are held until its W (the weight gradient needs them), not only its B")
+                              "activations count as held until its W (the weight gradient still needs some of them, each "
+                              "linear layer's input), not only until its B")
         raise CheckFailed(f"for {what} peak_in_flight is {list(peaks)}, expected {expected['peak_in_flight']}: a stage "
                           "holds a micro-batch's activations from the start of its F to the end of its last backward op")
 

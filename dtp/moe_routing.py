@@ -45,3 +45,40 @@ def load_imbalance(indices, num_experts: int, k: int) -> float:
     receive more than one of each token's k distinct choices)."""
     counts = np.bincount(np.asarray(indices).reshape(-1), minlength=num_experts)
     return float(num_experts * counts.max() / counts.sum())
+
+
+# --- node-limited routing (DeepSeek-V3, section 2.1.2: at most M nodes per token) ---------------
+
+
+def node_limited_routing(logits: np.ndarray, k: int, experts_per_node: int, max_nodes: int,
+                         renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, weights), each (T, k), with every token's experts on at most `max_nodes` nodes
+    (node n holds experts n·experts_per_node ... (n+1)·experts_per_node - 1). First the nodes:
+    each node scores the sum of its k/M highest probabilities, and the M best nodes are kept; then
+    the k most probable experts among the kept nodes' experts. The limit comes before the top-k:
+    choosing the top-k first and then cutting nodes would leave a token fewer than k experts."""
+    assert k % max_nodes == 0, "DeepSeek-V3's node score sums the k/M best experts of each node"
+    probabilities = softmax(logits)
+    tokens, experts = probabilities.shape
+    per_node = np.sort(probabilities.reshape(tokens, experts // experts_per_node, experts_per_node), axis=-1)
+    node_scores = per_node[..., -(k // max_nodes):].sum(axis=-1)
+    nodes = np.argsort(-node_scores, axis=-1, kind="stable")[:, :max_nodes]
+    allowed = np.zeros_like(node_scores, dtype=bool)
+    np.put_along_axis(allowed, nodes, True, axis=-1)
+    masked = np.where(np.repeat(allowed, experts_per_node, axis=-1), probabilities, -np.inf)
+    indices = np.argsort(-masked, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probabilities, indices, axis=-1)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return indices, weights
+
+
+def cross_node_dispatch_bytes(indices, experts_per_node: int, source_node: int, hidden: int,
+                              bytes_per_element: int) -> int:
+    """Bytes the tokens of `source_node` send to other nodes in one dispatch when each token
+    crosses to each destination node once (and is copied to its experts there over the node's
+    own links, as DeepEP does): Σ_t |nodes(t) minus the source| · h · w. With node-limited routing
+    this is at most T·M·h·w, against up to T·k·h·w for one copy per expert."""
+    nodes = np.asarray(indices) // experts_per_node
+    crossings = sum(len(set(row.tolist()) - {source_node}) for row in nodes)
+    return int(crossings * hidden * bytes_per_element)

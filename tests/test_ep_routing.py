@@ -69,3 +69,20 @@ def test_deepseek_v3_totals_are_the_reports():
     counts = moe_experts.deepseek_parameter_counts()
     assert round(counts["total"] / 1e9) == 671  # DeepSeek-AI 2024: 671B total, 37B activated per token
     assert int(counts["active"] / 1e9) == 37
+
+
+def test_node_limited_routing_against_a_loop():
+    rng = np.random.default_rng(1)
+    logits, k, per_node, max_nodes = rng.standard_normal((40, 12)) * 2, 4, 3, 2
+    indices, weights = moe_routing.node_limited_routing(logits, k, per_node, max_nodes, renormalize=False)
+    probabilities = moe.softmax(logits)
+    for t in range(40):
+        score = {n: sorted(probabilities[t, n * per_node:(n + 1) * per_node])[-2:] for n in range(4)}
+        nodes = sorted(range(4), key=lambda n: -sum(score[n]))[:max_nodes]
+        allowed = [e for e in range(12) if e // per_node in nodes]
+        assert indices[t].tolist() == sorted(allowed, key=lambda e: -probabilities[t, e])[:k]
+        assert len(set(indices[t] // per_node)) <= max_nodes
+    assert np.allclose(weights, np.take_along_axis(probabilities, indices, axis=1))
+    dispatched = moe_routing.cross_node_dispatch_bytes(indices, per_node, 0, 8, 2)
+    assert dispatched <= 40 * max_nodes * 8 * 2
+    assert dispatched == sum(len(set((indices[t] // per_node).tolist()) - {0}) for t in range(40)) * 16

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from . import calculator, memory, moe, pipeline, tensor_parallel, zero
+from . import calculator, memory, moe, pipeline, planner_costs, tensor_parallel, zero
 from .gpt import GPTConfig
 from .topology import INTER_NODE, INTRA_NODE, dimension_links
 
@@ -71,6 +71,7 @@ class Cluster:
     inter_node_bytes_per_s: float
     peak_flops: float
     name: str = ""
+    hbm_bytes_per_s: float = 0.0  # memory bandwidth, for the roofline cost model
 
     @property
     def gpus(self) -> int:
@@ -86,8 +87,18 @@ class Training:
     micro_batch: int = 1  # sequences per micro-batch
     recompute: str = "selective"
     recipe: str = "mixed_adam"
-    flops_utilization: float = 0.5  # share of the peak the GPUs reach while they compute
+    flops_utilization: float = 0.5  # share of the peak the GPUs reach while they compute ("fixed" model)
     bytes_per_value: int = 2  # activations, gradients and weights on the wire (bf16)
+    # "fixed": compute at flops_utilization, all communication exposed (the exercise's model);
+    # "roofline": dtp.planner_costs (GEMM roofline, elementwise work, dtp.overlap's exposure)
+    cost_model: str = "fixed"
+    chunks: int = 1  # interleaved 1F1B: model chunks per pipeline stage (v)
+    pp_outermost: bool = False  # rank order TP, (EP,) DP, PP (Megatron-Core's default) instead of TP, (EP,) PP, DP
+    gemm_ceiling: float = 0.8  # roofline: the share of the peak the largest GEMMs reach
+    flash_attention: bool = False  # roofline: attention scores stay on chip (no s² activations in HBM)
+    overlap_param_gather: bool = False  # roofline: ZeRO-1/2's weight all-gather under the next forward
+    ep_overlap: bool = False  # roofline: two micro-batches' all-to-alls each under the other's compute
+    tp_overlap: bool = True  # roofline: TP's backward collectives under the weight-gradient GEMMs
 
 
 @dataclass(frozen=True)
@@ -119,8 +130,9 @@ class PlannedLayout:
         sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
         return {**sizes, "ep": self.ep} if model.is_moe else sizes
 
-    def order(self, model: ModelShape) -> tuple[str, ...]:
-        return ("tp", "ep", "pp", "dp") if model.is_moe else ("tp", "pp", "dp")
+    def order(self, model: ModelShape, pp_outermost: bool = False) -> tuple[str, ...]:
+        inner = ("tp", "ep") if model.is_moe else ("tp",)
+        return inner + (("dp", "pp") if pp_outermost else ("pp", "dp"))
 
 
 # --- parameters -------------------------------------------------------------------------------
@@ -241,7 +253,8 @@ def traffic_per_gpu(model: ModelShape, cluster: Cluster, training: Training, lay
         "tp": stage_layers * m * tp_per_layer,
         # An interior stage sends each micro-batch's activation forward and its gradient backward; each of
         # the stage's t GPUs sends 1/t of it (sequence parallel).
-        "pp": pipeline.boundary_bytes_per_step(m, b, s, h, w) * min(2, p - 1) / 2 / t,
+        # Interleaving (v chunks per stage) sends each micro-batch across v times as many boundaries.
+        "pp": pipeline.boundary_bytes_per_step(m, b, s, h, w) * min(2, p - 1) / 2 / t * training.chunks,
         "dp": dp_bytes_per_gpu(counts["non_expert"] / (t * p), layout.dp, layout, w),
     }
     if model.is_moe:
@@ -263,7 +276,8 @@ def traffic_per_gpu(model: ModelShape, cluster: Cluster, training: Training, lay
             expert_collectives = 0.0  # whole experts: the tokens stay in their sequence-parallel shards
         traffic["tp"] += stage_layers * m * (expert_collectives - mlp_share)
         traffic["expert_dp"] = dp_bytes_per_gpu(counts["experts"] / (t * p * e), layout.dp // e, layout, w)
-    links = dict(dimension_links(layout.sizes(model), layout.order(model), cluster.gpus_per_node))
+    links = dict(dimension_links(layout.sizes(model), layout.order(model, training.pp_outermost),
+                                 cluster.gpus_per_node))
     if model.is_moe and layout.expert_tp == 1 and t > 1:
         links["ep"] = folded_group_link(t * e, cluster.gpus_per_node)
     return {name: {"bytes": float(sent), "link": links[name]} for name, sent in traffic.items()}
@@ -280,7 +294,7 @@ def bytes_by_link(traffic: dict[str, dict]) -> dict[str, float]:
 
 def step_time(model: ModelShape, cluster: Cluster, training: Training, layout: PlannedLayout,
               traffic: dict[str, dict] | None = None) -> dict[str, float]:
-    """Estimated seconds per step, by part. Assumptions:
+    """Estimated seconds per step, by part. With `training.cost_model == "fixed"` (the exercise's):
     - compute: the hardware FLOPs of the step (dtp.memory.hardware_flops_per_token of the active
       parameters, recomputation included) spread evenly over the GPUs, at `flops_utilization`
       of the peak;
@@ -289,18 +303,35 @@ def step_time(model: ModelShape, cluster: Cluster, training: Training, layout: P
     - TP and EP traffic lies inside each micro-batch's forward and backward, so the pipeline
       stretches it with the compute by (m + p - 1)/m (1F1B with equal stages); PP transfers and
       the DP gradient traffic (once per step) come on top.
-    total = (compute + tp + ep)·(m + p - 1)/m + pp + dp + expert_dp."""
+    total = (compute + tp + ep)·(m + p - 1)/m + pp + dp + expert_dp.
+    With "roofline", dtp.planner_costs.roofline_step_time (its docstring states the model)."""
+    traffic = traffic or traffic_per_gpu(model, cluster, training, layout)
+    seconds = {name: entry["bytes"] / cluster.bandwidth(entry["link"]) for name, entry in traffic.items()}
+    if training.cost_model == "roofline":
+        data_parallel = {name: (dp_sent_per_gpu(model, training, layout, name), cluster.bandwidth(traffic[name]["link"]))
+                         for name in ("dp", "expert_dp") if name in traffic}
+        parts = planner_costs.roofline_step_time(model, cluster, training, layout, seconds, data_parallel)
+        parts["total"] = sum(parts.values())
+        return parts
     counts = parameter_counts(model)
     tokens = training.global_batch * model.seq
     flops = memory.hardware_flops_per_token(counts["active"], model.layers, model.hidden, model.seq,
                                             training.recompute) * tokens
-    parts = {"compute": flops / (cluster.gpus * cluster.peak_flops * training.flops_utilization)}
-    for name, entry in (traffic or traffic_per_gpu(model, cluster, training, layout)).items():
-        parts[name] = entry["bytes"] / cluster.bandwidth(entry["link"])
+    parts = {"compute": flops / (cluster.gpus * cluster.peak_flops * training.flops_utilization), **seconds}
     in_micro_batches = parts["compute"] + parts["tp"] + parts.get("ep", 0.0)
-    parts["bubble"] = in_micro_batches * pipeline.bubble_over_ideal(layout.pp, layout.micro_batches)
+    parts["bubble"] = in_micro_batches * pipeline.bubble_over_ideal(layout.pp, layout.micro_batches, training.chunks)
     parts["total"] = sum(parts.values())
     return parts
+
+
+def dp_sent_per_gpu(model: ModelShape, training: Training, layout: PlannedLayout, name: str) -> dict[str, float]:
+    """{"gradients", "weights"} bytes a GPU sends per step in its "dp" or "expert_dp" group."""
+    counts, shards = parameter_counts(model), layout.tp * layout.pp
+    n, replicas = ((counts["non_expert"] / shards, layout.dp) if name == "dp"
+                   else (counts["experts"] / (shards * layout.ep), layout.dp // layout.ep))
+    w = training.bytes_per_value
+    return zero.accumulation_bytes_sent_per_gpu(n, replicas, layout.micro_batches, layout.zero_stage,
+                                                bool(layout.reduce_every_micro_batch), w, w)
 
 
 def model_flops_utilization(model: ModelShape, cluster: Cluster, training: Training, seconds: float) -> float:
@@ -360,7 +391,7 @@ def evaluate(model: ModelShape, cluster: Cluster, training: Training, layout: Pl
             "memory_bytes": sum(breakdown.values()), "memory_stage": stage,
             "activation_bytes": breakdown["activations"], "fits": sum(breakdown.values()) <= cluster.memory_bytes,
             "intra_node_bytes": links[INTRA_NODE], "inter_node_bytes": links[INTER_NODE],
-            "bubble": pipeline.bubble_fraction(layout.pp, layout.micro_batches), "step_time_s": times["total"],
+            "bubble": pipeline.bubble_fraction(layout.pp, layout.micro_batches, training.chunks), "step_time_s": times["total"],
             "mfu": model_flops_utilization(model, cluster, training, times["total"]), "times": times,
             "traffic": traffic}
 
@@ -380,16 +411,20 @@ def plan(model: ModelShape, cluster: Cluster, training: Training) -> list[dict]:
 NVLINK3_PER_DIRECTION_BYTES_PER_S = 600e9 / 2
 INFINIBAND_HDR_GBIT_PER_S = 200
 A100_BF16_DENSE_FLOPS = 312e12
+A100_80GB_HBM_BYTES_PER_S = 2039e9  # A100 80GB SXM datasheet: 2,039 GB/s of HBM2e
+H100_SXM_HBM_BYTES_PER_S = 3.35e12  # H100 SXM datasheet: 3.35 TB/s of HBM3
 
 A100_CLUSTER = Cluster(nodes=128, gpus_per_node=8, memory_bytes=memory.GPU_MEMORY_MIB["A100 80GB"] * 2**20,
                        intra_node_bytes_per_s=NVLINK3_PER_DIRECTION_BYTES_PER_S,
                        inter_node_bytes_per_s=tensor_parallel.gigabits_to_bytes_per_s(INFINIBAND_HDR_GBIT_PER_S),
-                       peak_flops=A100_BF16_DENSE_FLOPS, name="128 nodes of 8 A100 80GB")
+                       peak_flops=A100_BF16_DENSE_FLOPS, name="128 nodes of 8 A100 80GB",
+                       hbm_bytes_per_s=A100_80GB_HBM_BYTES_PER_S)
 H100_CLUSTER = Cluster(nodes=128, gpus_per_node=8, memory_bytes=memory.GPU_MEMORY_MIB["H100 80GB"] * 2**20,
                        intra_node_bytes_per_s=tensor_parallel.NVLINK4_PER_DIRECTION_BYTES_PER_S,
                        inter_node_bytes_per_s=tensor_parallel.gigabits_to_bytes_per_s(
                            tensor_parallel.INFINIBAND_NDR_GBIT_PER_S),
-                       peak_flops=tensor_parallel.H100_BF16_DENSE_FLOPS, name="128 nodes of 8 H100 80GB")
+                       peak_flops=tensor_parallel.H100_BF16_DENSE_FLOPS, name="128 nodes of 8 H100 80GB",
+                       hbm_bytes_per_s=H100_SXM_HBM_BYTES_PER_S)
 
 # Llama 2 70B's depth and width (80 layers, h = 8192, 64 heads, 32000 tokens, 4096 positions)
 # with GPT-2 blocks; and the same backbone with 16 experts of width 2.25h per block, top-2:

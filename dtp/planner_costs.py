@@ -1,0 +1,192 @@
+"""The layout planner's step time as practised: matrix-multiply efficiency from a roofline on each
+GEMM's shapes, memory-bound elementwise work, and communication exposed only where the overlap
+chapter's model (`dtp.overlap`) says nothing hides it.
+
+`dtp.topology_planner.step_time` uses this model when `Training.cost_model == "roofline"`; the
+exercise's model (`"fixed"`: a constant share of the peak, all communication exposed) stays
+there, simple enough to check by hand. Every assumption is a named parameter here and is stated
+on the chapter's page.
+
+GEMM time (a roofline, Williams et al. 2009): a product of an (M x K) and a (K x N) bf16 matrix
+does 2MNK FLOPs and moves at least 2(MK + KN + MN) bytes through HBM, so its arithmetic
+intensity is I = FLOPs / bytes and it runs at min(ceiling · peak, I · HBM bandwidth). The
+`ceiling` is the share of the peak that the largest GEMMs reach (an assumption, stated with its
+value on the page). Elementwise work (LayerNorm, GeLU, dropout, softmax, residuals) is memory
+bound: its time is the bytes it moves over the HBM bandwidth, taken as `ELEMENTWISE_PASSES`
+times the activation bytes a layer keeps (Korthikanti et al. 2022): each kept byte is written and
+read once in forward, and read, its gradient written and read in backward.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+from . import memory, overlap, pipeline
+
+ELEMENTWISE_PASSES = 5  # forward: write + read; backward: read, write the gradient, read it
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb (gradient buckets reduced during backward)
+
+
+def gemm_seconds(m: float, n: float, k: float, peak_flops: float, hbm_bytes_per_s: float, ceiling: float,
+                 batch: float = 1, bytes_per_value: int = 2) -> float:
+    """Roofline time of `batch` products of (m x k) by (k x n)."""
+    flops = 2 * m * n * k
+    intensity = flops / (bytes_per_value * (m * k + k * n + m * n))
+    return batch * flops / min(ceiling * peak_flops, intensity * hbm_bytes_per_s)
+
+
+def layer_gemms(model, training, layout) -> list[tuple[float, float, float, float]]:
+    """(M, N, K, batch) of one layer's forward GEMMs on one GPU for one micro-batch: the QKV and
+    output projections and the MLP split t ways over the b·s tokens sequence parallelism gathers;
+    attention's QKᵀ and AV per head (a/t heads per GPU); an MoE layer's experts on the rows each
+    GPU receives (E·C from its all-to-all group, times t when the experts are tensor-parallel)."""
+    from .moe import expert_capacity
+
+    t, h, s, b = layout.tp, model.hidden, model.seq, training.micro_batch
+    tokens, head = b * s, h // model.heads
+    gemms = [(tokens, 3 * h / t, h, 1), (tokens, h, h / t, 1),
+             (s, s, head, b * model.heads / t), (s, head, s, b * model.heads / t)]
+    if not model.is_moe:
+        width = model.mlp_ratio * h
+        return gemms + [(tokens, width / t, h, 1), (tokens, h, width / t, 1)]
+    capacity = expert_capacity(b * s // t, model.experts, model.top_k, model.capacity_factor)
+    group = layout.expert_ep
+    local_experts = model.experts / group
+    rows = capacity * group * (t // layout.expert_tp)  # rows per local expert, gathered over TP when split
+    width = model.expert_width / layout.expert_tp
+    return gemms + [(rows, width, h, local_experts), (rows, h, width, local_experts)]
+
+
+def forward_layer_seconds(model, cluster, training, layout) -> dict[str, float]:
+    """One layer's forward on one GPU for one micro-batch: "gemm" (roofline) and "elementwise"
+    (memory bound), and "attention_core" (QKᵀ and AV: what selective recomputation repeats)."""
+    hbm = cluster.hbm_bytes_per_s
+    times = [gemm_seconds(m, n, k, cluster.peak_flops, hbm, training.gemm_ceiling, batch)
+             for m, n, k, batch in layer_gemms(model, training, layout)]
+    kept = memory.activation_bytes_per_layer(model.seq, training.micro_batch, model.hidden, model.heads,
+                                             tensor_parallel=layout.tp, sequence_parallel=True,
+                                             recompute="selective" if training.flash_attention else "none")
+    return {"gemm": sum(times), "attention_core": times[2] + times[3],
+            "elementwise": ELEMENTWISE_PASSES * kept / hbm}
+
+
+def micro_batch_compute(model, cluster, training, layout) -> dict[str, float]:
+    """Seconds one GPU of the slowest stage computes per micro-batch: "forward" and "backward"
+    (backward's GEMMs take twice forward's: input and weight gradients; "weight_gradient" is the
+    half of it that TP's backward all-reduces can hide under), recomputation added to backward,
+    and the output layer's logits GEMM on the last stage."""
+    layer = forward_layer_seconds(model, cluster, training, layout)
+    layers = model.layers // layout.pp
+    recomputed = {"none": 0.0, "selective": layer["attention_core"],
+                  "full": layer["gemm"] + layer["elementwise"] * 2 / ELEMENTWISE_PASSES}[training.recompute]
+    forward_gemm = layer["gemm"]
+    elementwise = layer["elementwise"]
+    logits = gemm_seconds(training.micro_batch * model.seq, model.vocab / layout.tp, model.hidden,
+                          cluster.peak_flops, cluster.hbm_bytes_per_s, training.gemm_ceiling)
+    forward = layers * (forward_gemm + elementwise * 2 / ELEMENTWISE_PASSES)
+    backward = layers * (2 * forward_gemm + elementwise * 3 / ELEMENTWISE_PASSES + recomputed)
+    # the last stage also runs the output layer (forward, and twice that backward)
+    return {"forward": forward + logits, "backward": backward + 2 * logits, "layer_forward_gemm": forward_gemm,
+            "layer_forward": forward / layers, "layer_backward": backward / layers,
+            "weight_gradient": layers * forward_gemm}
+
+
+@functools.lru_cache(maxsize=4096)
+def _pp_exposed(stages: int, micro_batches: int, message_over_forward: float) -> float:
+    """dtp.overlap.pp_exposed in units of one forward (backward = 2 forwards), cached."""
+    return overlap.pp_exposed(stages, micro_batches, message_over_forward, 1.0, 2.0)
+
+
+def pp_exposed_seconds(stages: int, micro_batches: int, message_s: float, forward_s: float, chunks: int = 1) -> float:
+    """Exposed time of the pipeline's activation and gradient messages, from the course's 1F1B
+    simulator (dtp.overlap.pp_exposed); beyond 2p micro-batches the steady state adds the same
+    per micro-batch, so it is extrapolated linearly from 2p. Interleaving sends v times as many
+    messages, each between smaller chunks: the exposure of v pipelines' messages."""
+    if stages == 1 or message_s == 0:
+        return 0.0
+    ratio = float(f"{message_s / forward_s:.3g}")
+    cap = 2 * stages
+    if micro_batches <= cap:
+        exposed = _pp_exposed(stages, micro_batches, ratio)
+    else:
+        slope = (_pp_exposed(stages, cap, ratio) - _pp_exposed(stages, cap - stages, ratio)) / stages
+        exposed = _pp_exposed(stages, cap, ratio) + slope * (micro_batches - cap)
+    return exposed * forward_s * chunks
+
+
+def dp_exposed_seconds(layout, training, sent: dict[str, float], bandwidth: float, compute: dict) -> float:
+    """Exposed data-parallel time per step for `sent` = {"gradients": bytes, "weights": bytes}
+    (dtp.zero.accumulation_bytes_sent_per_gpu) on a link of `bandwidth`, from dtp.overlap:
+    - gradients reduced in buckets during the backward they come from (dtp.overlap.ddp_exposed,
+      torch DDP's 25 MiB buckets): once per step under the last micro-batch's backward, or, with
+      ZeRO-2/3 reducing every micro-batch, each micro-batch's share under its own backward;
+    - ZeRO-3 gathers each layer's weights before its forward and again before its backward, the
+      next layer's gather prefetched under this one's compute (fsdp_forward_exposed and
+      fsdp_backward_exposed, one unit per layer);
+    - ZeRO-1/2 all-gather the updated weights after the optimizer step: exposed, or hidden under
+      the next forward when `training.overlap_param_gather` (Megatron's distributed optimizer)."""
+    m = layout.micro_batches
+    reductions = m if layout.zero_stage >= 2 and layout.reduce_every_micro_batch else 1
+    exposed = 0.0
+    if sent["gradients"]:
+        per_reduction = sent["gradients"] / reductions
+        buckets = max(1, round(per_reduction / DDP_BUCKET_BYTES))
+        exposed += reductions * overlap.ddp_exposed(per_reduction / bandwidth, compute["backward"], buckets)
+    weight_s = sent["weights"] / bandwidth
+    if layout.zero_stage == 3:
+        units = compute["units"]
+        gather = weight_s / (2 * m * units)
+        exposed += m * (overlap.fsdp_forward_exposed(units, gather, compute["layer_forward"])
+                        + overlap.fsdp_backward_exposed(units, gather, 0.0, compute["layer_backward"]))
+    elif weight_s:
+        exposed += overlap.exposed(weight_s, compute["forward"]) if training.overlap_param_gather else weight_s
+    return exposed
+
+
+def tp_exposed_seconds(tp_s: float, layout, training, compute: dict) -> float:
+    """Exposed TP time per step (dtp.overlap.tp_layer_exposed): per layer and micro-batch, forward's
+    two all-reduce-sized collectives are on the critical path; backward's two each run under
+    half the layer's weight-gradient GEMMs (with full recomputation the repeated forward's two
+    are exposed too). Without `training.tp_overlap` all of it is exposed."""
+    if not tp_s or not training.tp_overlap:
+        return tp_s
+    layers = compute["units"]
+    passes = 3 if training.recompute == "full" else 2
+    per_collective = tp_s / (layout.micro_batches * layers * 2 * passes)
+    per_layer = overlap.tp_layer_exposed(per_collective, compute["layer_forward_gemm"] / 2)
+    if training.recompute == "full":
+        per_layer += 2 * per_collective
+    return layout.micro_batches * layers * per_layer
+
+
+def ep_exposed_seconds(ep_s: float, layout, training, compute: dict) -> float:
+    """Exposed EP time per step (dtp.overlap.ep_exposed): serial, all of it; with
+    `training.ep_overlap` (two micro-batches interleaved, as DeepSeek-V3's DualPipe does), each
+    micro-batch's all-to-alls under the other's compute."""
+    if not ep_s:
+        return 0.0
+    if not training.ep_overlap:
+        return ep_s
+    pairs = layout.micro_batches / 2
+    per_pair = ep_s / pairs / 2
+    return pairs * overlap.ep_exposed(per_pair, compute["forward"] + compute["backward"], overlapped=True)
+
+
+def roofline_step_time(model, cluster, training, layout, seconds: dict[str, float],
+                       data_parallel: dict[str, tuple[dict, float]]) -> dict[str, float]:
+    """`seconds`: each dimension's communication time, all of it; `data_parallel`: for "dp" (and
+    "expert_dp") the bytes sent as gradients and weights and the link's bandwidth. The step's parts: "compute" (m micro-batches on the slowest stage), the exposed part of
+    each dimension's communication, and "bubble": (p-1)/v of a micro-batch's compute and
+    in-micro-batch communication (interleaved 1F1B with v chunks per stage)."""
+    compute = micro_batch_compute(model, cluster, training, layout)
+    compute["units"] = model.layers // layout.pp
+    m, p, v = layout.micro_batches, layout.pp, training.chunks
+    parts = {"compute": m * (compute["forward"] + compute["backward"])}
+    parts["tp"] = tp_exposed_seconds(seconds.get("tp", 0.0), layout, training, compute)
+    parts["ep"] = ep_exposed_seconds(seconds.get("ep", 0.0), layout, training, compute)
+    message = seconds.get("pp", 0.0) / (2 * m) if p > 1 else 0.0
+    parts["pp"] = pp_exposed_seconds(p, m, message, compute["forward"] / v, v) if p > 1 else 0.0
+    for name, (sent, bandwidth) in data_parallel.items():
+        parts[name] = dp_exposed_seconds(layout, training, sent, bandwidth, compute)
+    parts["bubble"] = (parts["compute"] + parts["tp"] + parts["ep"]) / m * (p - 1) / v
+    return parts

@@ -1,0 +1,147 @@
+"""The planner's roofline model against published training runs: each run's model, hardware and
+layout as published, the planner's predicted throughput beside the published one.
+
+The published figures below are data, typed in with their source; everything else is computed.
+A run's free choices that its paper does not state (micro-batch size b, interleaving v, the rank
+order) are searched: the prediction is the planner's fastest fitting choice for the published
+(t, p, d) and ZeRO stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from . import tensor_parallel
+from .topology_planner import Cluster, ModelShape, PlannedLayout, Training, evaluate, parameter_counts
+from . import topology_planner as planner
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    model: ModelShape
+    cluster: Cluster
+    training: Training
+    tp: int
+    pp: int
+    zero_stage: int
+    metric: str  # "megatron_tflops" (Narayanan et al.'s formula, recomputation counted), "mfu", "tokens"
+    published: float  # TFLOP/s per GPU, MFU, or tokens per second per GPU
+    source: str  # a references.bib key
+    ep: int = 1
+
+
+def megatron_flops_per_step(model: ModelShape, batch: int) -> float:
+    """Narayanan et al. 2021's FLOPs per iteration (their eq. 3, with activation recomputation):
+    96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))."""
+    s, l, h, v = model.seq, model.layers, model.hidden, model.vocab
+    return 96 * batch * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def selene(nodes: int) -> Cluster:
+    """DGX A100 80GB nodes as in Narayanan et al. 2021 (Selene: 8 A100s per node over NVLink 3,
+    8 HDR InfiniBand ports of 200 Gb/s per node)."""
+    return dataclasses.replace(planner.A100_CLUSTER, nodes=nodes, name=f"{nodes} DGX A100")
+
+
+def h100_cluster(nodes: int, nvlink_per_direction: float = tensor_parallel.NVLINK4_PER_DIRECTION_BYTES_PER_S,
+                 peak_flops: float = tensor_parallel.H100_BF16_DENSE_FLOPS, name: str = "H100") -> Cluster:
+    return dataclasses.replace(planner.H100_CLUSTER, nodes=nodes, intra_node_bytes_per_s=nvlink_per_direction,
+                               peak_flops=peak_flops, name=f"{nodes} nodes of 8 {name}")
+
+
+# Narayanan et al. 2021, Table 1: (parameters in billions, heads, hidden, layers, TP, PP, GPUs, batch,
+# achieved TFLOP/s per GPU). GPT models with a vocabulary of 51,200 and 2048-token sequences,
+# mixed precision, activation recomputation, no ZeRO; measured end to end on Selene.
+MEGATRON_TABLE_1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
+# Megatron-LM 2021 ran TP's backward all-reduces on the critical path (no overlap with the
+# weight-gradient GEMMs, which Megatron-Core added later as tp_comm_overlap).
+ROOFLINE = Training(global_batch=1, recompute="full", cost_model="roofline", tp_overlap=False)
+
+
+def megatron_runs() -> list[PublishedRun]:
+    runs = []
+    for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in MEGATRON_TABLE_1:
+        model = ModelShape(layers=layers, hidden=hidden, heads=heads, vocab=51200, seq=2048, name=f"GPT {billions}B")
+        runs.append(PublishedRun(f"GPT {billions:g}B", model, selene(gpus // 8),
+                                 dataclasses.replace(ROOFLINE, global_batch=batch), tp, pp, 0, "megatron_tflops",
+                                 tflops, "narayanan2021efficient"))
+    return runs
+
+
+# Llama 3 405B (Llama Team 2024, Table 4): 16,384 H100s, TP 8, CP 1, PP 16, DP 128, 8192-token
+# sequences, 16M tokens per batch, 400 TFLOP/s per GPU, 41 % bf16 MFU; FSDP-style sharding of
+# optimizer states and gradients with PP. Modelled with GPT blocks of its width and depth (126
+# layers, h = 16384, 128 heads, MLP 4h: 406B parameters, as many as Llama 3's with SwiGLU and GQA)
+# and its 128,256-token vocabulary; flash attention; selective recomputation.
+LLAMA3_405B = ModelShape(layers=126, hidden=16384, heads=128, vocab=128256, seq=8192, name="Llama 3 405B (GPT blocks)")
+
+# DeepSeek-V3 (DeepSeek-AI 2024, sections 3.1-3.3 and 4.2): 2048 H800s (NVLink 400 GB/s both ways,
+# one 400 Gb/s InfiniBand port per GPU), PP 16, EP 64 over 8 nodes, ZeRO-1 DP, no TP; 180K H800
+# GPU hours per trillion tokens; 4096-token sequences, batch 15,360 sequences; FP8 GEMMs; DualPipe
+# overlaps the all-to-alls with computation. Modelled: 61 GPT-attention layers of h = 7168 (MLA
+# not modelled), 256 experts top-8 plus the shared expert as a ninth active one, each expert an
+# MLP of width 3072 (SwiGLU's three 7168 x 2048 matrices hold as many parameters).
+DEEPSEEK_V3 = ModelShape(layers=61, hidden=7168, heads=128, vocab=129280, seq=4096, experts=256, top_k=9,
+                         expert_hidden=3072, name="DeepSeek-V3 (approximated)")
+H800_NVLINK_PER_DIRECTION = 400e9 / 2
+H800_FP8_DENSE_FLOPS = 2 * tensor_parallel.H100_BF16_DENSE_FLOPS
+
+
+def other_runs() -> list[PublishedRun]:
+    llama = PublishedRun("Llama 3 405B", LLAMA3_405B, h100_cluster(2048),
+                         Training(global_batch=2048, recompute="selective", cost_model="roofline",
+                                  flash_attention=True, overlap_param_gather=True),
+                         tp=8, pp=16, zero_stage=2, metric="mfu", published=0.41, source="grattafiori2024llama3")
+    tokens_per_gpu_s = 1e12 / (180e3 * 3600)
+    deepseek = PublishedRun("DeepSeek-V3 (MoE)", DEEPSEEK_V3,
+                            h100_cluster(256, H800_NVLINK_PER_DIRECTION, H800_FP8_DENSE_FLOPS, "H800 (FP8 peak)"),
+                            Training(global_batch=15360, recompute="full", cost_model="roofline", flash_attention=True,
+                                     overlap_param_gather=True, ep_overlap=True),
+                            tp=1, pp=16, zero_stage=1, ep=64, metric="tokens", published=tokens_per_gpu_s,
+                            source="deepseek2024v3")
+    return [llama, deepseek]
+
+
+def published_runs() -> list[PublishedRun]:
+    return megatron_runs() + other_runs()
+
+
+def predict(run: PublishedRun, micro_batches=(1, 2, 4, 8), chunks=(1, 2, 4), orders=(False, True)) -> dict:
+    """The planner's fastest fitting choice of (b, v, order) for the run's published layout, and
+    its prediction in the run's metric, beside the published figure."""
+    dp = run.cluster.gpus // (run.tp * run.pp)
+    best = None
+    for b in micro_batches:
+        if run.training.global_batch % (dp * b):
+            continue
+        m = run.training.global_batch // (dp * b)
+        if m < run.pp:
+            continue
+        for v in chunks:
+            if v > 1 and (run.pp == 1 or m % run.pp):  # Megatron: m a multiple of p
+                continue
+            for pp_outermost, every in itertools.product(orders, (0, 1) if run.zero_stage >= 2 else (0,)):
+                training = dataclasses.replace(run.training, micro_batch=b, chunks=v, pp_outermost=pp_outermost)
+                layout = PlannedLayout(run.tp, run.pp, dp, run.ep, run.zero_stage, m, every)
+                row = evaluate(run.model, run.cluster, training, layout)
+                if row["fits"] and (best is None or row["step_time_s"] < best["step_time_s"]):
+                    best = dict(row, micro_batch=b, chunks=v, pp_outermost=pp_outermost)
+    if best is None:
+        raise ValueError(f"{run.name}: no choice of micro-batch size fits")
+    seconds = best["step_time_s"]
+    gpus = run.cluster.gpus
+    predicted = {"megatron_tflops": megatron_flops_per_step(run.model, run.training.global_batch) / (gpus * seconds) / 1e12,
+                 "mfu": best["mfu"],
+                 "tokens": run.training.global_batch * run.model.seq / (gpus * seconds)}[run.metric]
+    return {"run": run, "row": best, "predicted": predicted, "ratio": predicted / run.published,
+            "tflops_per_gpu": best["mfu"] * run.cluster.peak_flops / 1e12,
+            "parameters": parameter_counts(run.model)["total"]}

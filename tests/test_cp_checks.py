@@ -121,6 +121,14 @@ def test_ring_accepts_isend_irecv(tmp_notebook):
     assert graded(tmp_notebook, "cp.ring_forward", {"ring_attention": plain}).status == "passed"
 
 
+def test_ring_accepts_k_and_v_concatenated_along_the_head_dimension(tmp_notebook):
+    concatenated = changed(RING_CELL, ("kv = torch.stack([k, v])  # K and V travel together: one message per step",
+                                       "kv = torch.cat([k, v], dim=-1)  # (heads, block, 2d)"),
+                           ("kv[0].chunk(pieces, -2), kv[1].chunk(pieces, -2)",
+                            "kv.chunk(2, -1)[0].chunk(pieces, -2), kv.chunk(2, -1)[1].chunk(pieces, -2)"))
+    assert graded(tmp_notebook, "cp.ring_forward", {"ring_attention": concatenated}).status == "passed"
+
+
 # --- exercise 3: the backward ---
 
 def test_ring_backward_rejects_gradients_that_never_come_home(tmp_notebook):

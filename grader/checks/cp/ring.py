@@ -60,7 +60,7 @@ class RingForward(Check):
 
     reads = ("ring_attention",)
     references = ("dtp.context_parallel.ring_attention_forward",)
-    timeout_s = 40
+    timeout_s = 60
     runs_world = True
 
     def prepare(self, rng):
@@ -164,7 +164,7 @@ class Zigzag(Check):
 
     reads = ("zigzag_ring_attention",)
     references = ("dtp.context_parallel.ring_attention_forward", "dtp.context_parallel.zigzag_positions")
-    timeout_s = 40
+    timeout_s = 60
     runs_world = True
 
     def prepare(self, rng):

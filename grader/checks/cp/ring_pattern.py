@@ -23,16 +23,39 @@ class RingBlocks:
         self.blocks = {(name, j): x[:, self.positions[j]].numpy().ravel()
                        for name, x in (("K", k), ("V", v)) for j in range(c)}
         self.size = heads * (seq // c) * d
+        self.sorted = {key: np.sort(block) for key, block in self.blocks.items()}
+        self.pairs = [np.sort(np.concatenate([self.blocks["K", j], self.blocks["V", j]])) for j in range(c)]
 
     def pieces(self, payloads) -> list:
-        """The message's payload cut into block-sized pieces, each named ("K", j), ("V", j) or None."""
-        flat = np.concatenate([np.ravel(np.asarray(p, dtype=np.float32)) for p in payloads]) if payloads else np.zeros(0)
+        """What a message's tensors carry, as ("K", j), ("V", j) or None per block. A tensor is
+        recognised by its values as a multiset, so any layout of a block (transposed, K and V
+        concatenated along any axis) is recognised; a tensor of two blocks is one rank's K and V."""
         named = []
-        for start in range(0, flat.size, self.size):
-            piece = flat[start:start + self.size]
-            named.append(next((key for key, block in self.blocks.items()
-                               if block.size == piece.size and np.array_equal(block, piece)), None))
+        for payload in payloads:
+            values = np.sort(np.ravel(np.asarray(payload, dtype=np.float32)))
+            if values.size == self.size:
+                named.append(next((key for key, block in self.sorted.items() if np.array_equal(block, values)), None))
+            elif values.size == 2 * self.size:
+                both = next((j for j in range(self.c) if np.array_equal(self.pairs[j], values)), None)
+                named += [("K", both), ("V", both)] if both is not None else self._halves(np.asarray(payload))
+            else:
+                named += [None] * max(1, round(values.size / self.size))
         return named
+
+    def _one(self, values):
+        values = np.sort(np.ravel(np.asarray(values, dtype=np.float32)))
+        return next((key for key, block in self.sorted.items() if np.array_equal(block, values)), None)
+
+    def _halves(self, payload) -> list:
+        """Two blocks in one tensor that are not one rank's K and V (two K blocks?): named by
+        the halves along the first axis that splits them into two blocks."""
+        for axis, length in enumerate(np.shape(payload)):
+            if length % 2 == 0:
+                first, second = np.split(payload, 2, axis=axis)
+                found = [self._one(first), self._one(second)]
+                if None not in found:
+                    return found
+        return [None, None]
 
 
 def check_ring_pattern(blocks: RingBlocks, rank: int, events: list, where: str) -> None:

@@ -227,3 +227,65 @@ def test_unusable_class_input_gets_one_line(tmp_path, arguments, fragment):
 def test_class_without_out_says_what_is_missing(tmp_path):
     completed = cli("class", tmp_path, cwd=tmp_path)
     assert completed.returncode == 2 and "--out" in completed.stderr and "Traceback" not in completed.stderr
+
+
+def test_a_file_name_that_is_not_utf8_gets_a_row(tmp_path):
+    from grader.classroom import grade_class
+
+    submissions = tmp_path / "submissions"
+    submissions.mkdir()
+    (submissions / os.fsdecode(b"j\xf6rg.txt")).write_text("not a notebook")
+    results = grade_class(submissions, tmp_path / "results", 1, None, None, False, say=lambda *a, **k: None)
+    assert [s.name for s in results.students] == ["j\ufffdrg"]
+    assert "j\ufffdrg,0,0," in (tmp_path / "results" / "gradebook.csv").read_text(encoding="utf-8-sig").replace('"', "")
+
+
+def test_a_worker_that_dies_costs_its_notebook_only(monkeypatch, tmp_path):
+    """A grading process that ends abruptly (the grader's own crash, the OOM killer) gives its
+    notebook an error and is replaced for the next one. Workers are forked, so they run the
+    patched `grade_one`."""
+    from grader.classroom import workers
+
+    def grade_one(path, only, timeout_s):
+        if "crash" in path:
+            os._exit(3)
+        return {"report": {"path": path}}
+
+    monkeypatch.setattr(workers, "grade_one", grade_one)
+    jobs = [workers.Job(name, tmp_path / name, "") for name in ("a", "crash", "b", "c")]
+    results = {}
+    workers.grade_in_parallel(jobs, 1, None, None, lambda job, entry: results.setdefault(job.relpath, entry),
+                              workers.ResultsCache(tmp_path / "cache"))
+    assert results["crash"] == {"error": "the process grading it ended abruptly (exit code 3)"}
+    assert [results[name]["report"]["path"] for name in "abc"] == list("abc")
+
+
+# The learner's code runs in a sandbox forked from a worker, so it holds the worker's descriptors:
+# it writes junk, a framed JSON job and an absurd message length to every one of them.
+WRITES_TO_EVERY_DESCRIPTOR = """
+_answer = interview_model_states_tb
+def interview_model_states_tb(*args, **kwargs):
+    import json, os, struct
+    job = json.dumps({"relpath": "victim.ipynb", "path": "/nonexistent.ipynb", "sha256": "0"}).encode()
+    for fd in range(3, 256):
+        for payload in (b"!" * 16, struct.pack("!i", len(job)) + job, struct.pack("!i", 2**30)):
+            try:
+                os.write(fd, payload)
+            except OSError:
+                pass
+    return _answer(*args, **kwargs)
+"""
+
+
+def test_a_sandbox_writing_to_inherited_descriptors_changes_no_other_result(tmp_path):
+    submissions = tmp_path / "submissions"
+    attacker = memory_notebook()
+    attacker.cells.append(nbformat.v4.new_code_cell(WRITES_TO_EVERY_DESCRIPTOR))
+    write(attacker, submissions / "mallory.ipynb")
+    for name in ("victim", "walter"):
+        write(memory_notebook(), submissions / f"{name}.ipynb")
+    completed = cli("class", submissions, "--out", tmp_path / "results", "--jobs", "2", "--only", "memory.interview")
+    assert completed.returncode == 0, completed.stderr
+    book = gradebook(tmp_path / "results")
+    assert book["victim"]["memory.interview"] == book["walter"]["memory.interview"] == "2", book
+    assert book["mallory"]["memory.interview"] in ("2", "error", "failed"), book  # whatever it did to itself

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..notebook import UnusableInput
-from .submissions import Student, content_hash, find_students, relative
+from .submissions import Student, content_hash, find_students, printable, relative
 from .workers import Job, ResultsCache, grade_in_parallel, options_key
 
 
@@ -105,25 +105,22 @@ def grade_class(submissions: Path, out: Path, workers: int, only: list[str] | No
 
     done = [0]
 
-    def on_result(job: Job, result: dict) -> None:
+    def on_result(job: Job, entry: dict) -> None:
         done[0] += 1
         student = owner[job.relpath]
-        if "report" not in result:
-            student.notes.append(f"{job.relpath}: {_without_root(result.get('unusable') or result['error'], submissions)}")
-            say(f"[{done[0]}/{len(jobs)}] {job.relpath}: not graded")
+        if "report" not in entry:
+            student.notes.append(f"{job.relpath}: {_without_root(entry.get('unusable') or entry['error'], submissions)}")
+            say(f"[{done[0]}/{len(jobs)}] {job.relpath}: not graded", flush=True)
             return
-        result["report"]["path"] = job.relpath  # reports name the file as it is in SUBMISSIONS
-        unchanged = content_hash(job.path) == job.sha256 if job.path.exists() else False
-        entry = cache.put(job, options, result) if unchanged else {**result}
         _keep(results, student, entry, reused=False)
-        report = result["report"]
+        report = entry["report"]
         say(f"[{done[0]}/{len(jobs)}] {job.relpath}: {report['score']}/{report['max_score']} "
             f"in {report['elapsed_s']:.1f}s", flush=True)
 
     if jobs:
         say(f"grading {len(jobs)} notebook(s) on {min(workers, len(jobs))} process(es); "
             f"{sum(len(v) for v in results.graded.values())} unchanged since the last run", flush=True)
-    grade_in_parallel(jobs, workers, only, timeout_s, on_result)
+    grade_in_parallel(jobs, workers, only, timeout_s, on_result, cache)
     for student in students:
         _flag(results, student)
     gradebook.write_all(results, out)
@@ -176,4 +173,4 @@ def _flag(results: ClassResults, student: Student) -> None:
 
 def _without_root(message: str, root: Path) -> str:
     """Messages name files as they are in SUBMISSIONS, not by the instructor's absolute paths."""
-    return message.replace(f"{root.resolve()}{os.sep}", "").replace(f"{root}{os.sep}", "")
+    return printable(message.replace(f"{root.resolve()}{os.sep}", "").replace(f"{root}{os.sep}", ""))

@@ -46,21 +46,27 @@ def find_students(root: Path) -> list[Student]:
     for entry in sorted(root.iterdir()):
         if entry.name.startswith("."):  # .DS_Store, .git, .ipynb_checkpoints
             continue
-        name = entry.name if entry.is_dir() and not entry.is_symlink() else entry.stem
+        name = printable(entry.name if entry.is_dir() and not entry.is_symlink() else entry.stem)
         student = students.setdefault(name, Student(name))
         if entry.is_symlink():
-            student.notes.append(f"{entry.name}: a symbolic link, not followed")
+            student.notes.append(f"{printable(entry.name)}: a symbolic link, not followed")
         elif entry.is_dir():
             _notebooks_in(entry, root, student)
         elif entry.suffix == ".ipynb":
             student.notebooks.append(entry)
         else:
-            student.notes.append(f"{entry.name}: not a notebook (.ipynb), not graded")
+            student.notes.append(f"{printable(entry.name)}: not a notebook (.ipynb), not graded")
     return sorted(students.values(), key=lambda s: s.name)
 
 
+def printable(name: str) -> str:
+    """A file name that is not UTF-8 (Python keeps its bytes as lone surrogates) as it would be
+    shown, with U+FFFD for the bytes: the gradebook and the reports are UTF-8 text."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def relative(path: Path, root: Path) -> str:
-    return path.relative_to(root).as_posix()
+    return printable(path.relative_to(root).as_posix())
 
 
 def content_hash(path: Path) -> str:

@@ -5,8 +5,8 @@ each gloo world binds a free port of its own), and a results cache keyed by the 
 Interruption: Ctrl-C reaches the class process and its workers (the sandboxes run in sessions of
 their own, and their wardens ignore it); a worker stops at once, its sandboxes' clean-up runs as
 its `grade_notebook` unwinds, and the class process ends every worker it started before it exits.
-A notebook's result reaches the cache only once the notebook is graded whole, in one atomic rename,
-so an interrupted run keeps exactly the notebooks that had finished."""
+A notebook's result reaches the cache only once the notebook is graded whole, written by its
+worker in one atomic rename, so an interrupted run keeps exactly the notebooks that had finished."""
 from __future__ import annotations
 
 import ast
@@ -77,84 +77,129 @@ def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _worker_main(connection, parent_pid: int) -> None:
+# How a worker and the class process talk. Every sandbox a worker forks inherits the worker's
+# descriptors, and the learner's code in it can write to any of them, Landlock or not. So nothing
+# that comes from a worker is believed: its one byte on `done` only says "look now", and the
+# result is the cache entry the worker wrote, which a confined sandbox cannot write (RESULTS is not
+# among the folders Landlock lets it reach), carrying this run's token and the job's path. Jobs go
+# the other way as JSON, never pickles, and each worker first closes every descriptor of the class
+# process's ends, its own and its siblings', so no sandbox can send a worker a job.
+def _worker_main(jobs_fd: int, done_fd: int, foreign_fds: list[int], parent_pid: int, cache_folder: str,
+                 run: str, only, timeout_s) -> None:
     die_with_parent(parent_pid, signal.SIGTERM)  # a class process killed outright still stops its workers
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # unwinds through the sandboxes' clean-up
     signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     sys.dont_write_bytecode = True  # no __pycache__ beside a student's helper module
+    for fd in foreign_fds:
+        os.close(fd)
+    jobs, cache, options = multiprocessing.connection.Connection(jobs_fd, writable=False), \
+        ResultsCache(Path(cache_folder), clean=False), options_key(only, timeout_s)
     try:
-        while (job := connection.recv()) is not None:
+        while (job := json.loads(jobs.recv_bytes())) is not None:
+            job = Job(job["relpath"], Path(job["path"]), job["sha256"])
             try:
-                result = grade_one(*job)
+                result = grade_one(str(job.path), only, timeout_s)
             except Exception as exc:  # noqa: BLE001 - a grader bug costs one notebook, not the class
                 result = {"error": f"the grader failed on this notebook ({type(exc).__name__}: {exc})"}
-            connection.send(result)
+            if "report" in result:
+                result["report"]["path"] = job.relpath  # as in SUBMISSIONS, not the instructor's absolute path
+                if content_hash_or_none(job.path) != job.sha256:
+                    result["changed"] = True  # edited while graded: good for this run, never reused
+            cache.put(job, options, result, run)
+            os.write(done_fd, b"!")
     except (KeyboardInterrupt, EOFError, OSError):
         pass
     finally:
         os._exit(0)
 
 
+def content_hash_or_none(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 class _Worker:
-    def __init__(self, context):
-        self.connection, child_end = context.Pipe()
-        self.process = context.Process(target=_worker_main, args=(child_end, os.getpid()), daemon=False)
+    def __init__(self, context, siblings: list["_Worker"], cache: "ResultsCache", run: str, only, timeout_s):
+        jobs_read, jobs_write = os.pipe()
+        done_read, done_write = os.pipe()
+        foreign = [jobs_write, done_read] + [fd for sibling in siblings for fd in sibling.class_fds]
+        self.process = context.Process(target=_worker_main, daemon=False, args=(
+            jobs_read, done_write, foreign, os.getpid(), str(cache.folder), run, only, timeout_s))
         self.process.start()
-        child_end.close()
+        os.close(jobs_read)
+        os.close(done_write)
+        self.jobs = multiprocessing.connection.Connection(jobs_write, readable=False)
+        self.done_fd = done_read
+        self.class_fds = [jobs_write, done_read]
         self.job: Job | None = None
 
-    def give(self, job: Job, only, timeout_s) -> None:
+    def give(self, job: Job | None) -> None:
         self.job = job
-        self.connection.send((str(job.path), only, timeout_s))
+        document = None if job is None else {"relpath": job.relpath, "path": str(job.path), "sha256": job.sha256}
+        try:
+            self.jobs.send_bytes(json.dumps(document).encode())
+        except OSError:  # it is gone; its sentinel says so
+            pass
 
     def stop(self) -> None:
-        if self.process.is_alive():
-            self.process.terminate()  # SIGTERM: grade_notebook unwinds, its warden kills its sandbox
-            self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join()
-        self.connection.close()
+        """SIGTERM (grade_notebook unwinds and its warden kills its sandbox), SIGKILL if it lingers.
+        Waits by asking the kernel (is_alive reaps), not on the sentinel a sandbox can write to."""
+        for send, patience_s in ((self.process.terminate, 30.0), (self.process.kill, 30.0)):
+            if self.process.is_alive():
+                send()
+            deadline = time.monotonic() + patience_s
+            while self.process.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        self.jobs.close()
+        os.close(self.done_fd)
 
 
-def grade_in_parallel(jobs: list[Job], workers: int, only, timeout_s, on_result) -> None:
-    """Grade `jobs` on `workers` processes, calling `on_result(job, result)` here as each finishes."""
+def grade_in_parallel(jobs: list[Job], workers: int, only, timeout_s, on_result, cache: "ResultsCache") -> None:
+    """Grade `jobs` on `workers` processes, calling `on_result(job, cache entry)` here as each finishes."""
     context = multiprocessing.get_context("fork")  # workers share what this process already imported
+    run, options = os.urandom(16).hex(), options_key(only, timeout_s)
     pending = list(reversed(jobs))
     pool: list[_Worker] = []
+
+    def start_worker() -> _Worker:
+        worker = _Worker(context, pool, cache, run, only, timeout_s)
+        pool.append(worker)
+        return worker
+
     try:
         for _ in range(min(workers, len(jobs))):
-            worker = _Worker(context)
-            pool.append(worker)
-            worker.give(pending.pop(), only, timeout_s)
+            start_worker().give(pending.pop())
         while any(worker.job for worker in pool):
             busy = [worker for worker in pool if worker.job]
-            ready = multiprocessing.connection.wait([w.connection for w in busy] + [w.process.sentinel for w in busy])
+            # Not the workers' sentinels: a sandbox holds a copy of its worker's end of that pipe
+            # too, and a write there would read as the worker's death. Whether a worker lives is
+            # asked of the kernel (waitpid), at the latest every second.
+            ready = multiprocessing.connection.wait([w.done_fd for w in busy], timeout=1.0)
             for worker in busy:
-                if worker.connection not in ready and worker.process.sentinel not in ready:
-                    continue
+                if worker.done_fd in ready:
+                    os.read(worker.done_fd, 4096)  # what it says does not matter
+                entry = cache.result(worker.job, options, run)
+                if entry is None and worker.process.is_alive():
+                    continue  # still grading; a sandbox's write, not the worker's
                 finished, worker.job = worker.job, None
-                try:
-                    result = worker.connection.recv()
-                except (EOFError, OSError):  # it died: a replacement takes the next notebook
-                    worker.process.join()
-                    result = {"error": f"the process grading it ended abruptly (exit code {worker.process.exitcode})"}
+                if entry is None:  # it died: a replacement takes the next notebook
+                    entry = {"error": f"the process grading it ended abruptly (exit code {worker.process.exitcode})"}
                     pool.remove(worker)
                     worker.stop()
-                    worker = _Worker(context)
-                    pool.append(worker)
-                on_result(finished, result)
+                    worker = start_worker()
+                on_result(finished, entry)
                 if pending:
-                    worker.give(pending.pop(), only, timeout_s)
+                    worker.give(pending.pop())
     finally:
         for worker in pool:
             if worker.job is None and worker.process.is_alive():
-                try:
-                    worker.connection.send(None)
-                except OSError:
-                    pass
+                worker.give(None)
         for worker in pool:
             worker.stop()
+        for leftover in cache.folder.glob(".*.tmp"):  # a worker stopped halfway through writing
+            leftover.unlink(missing_ok=True)
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -168,24 +213,33 @@ def write_atomically(path: Path, text: str) -> None:
 class ResultsCache:
     """RESULTS/cache/: one JSON file per notebook of the class, named by its path in SUBMISSIONS."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, clean: bool = True):
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
-        for leftover in folder.glob(".*.tmp"):  # an interrupted write
+        for leftover in folder.glob(".*.tmp") if clean else ():  # an interrupted write
             leftover.unlink(missing_ok=True)
 
     def _file(self, relpath: str) -> Path:
         return self.folder / f"{hashlib.sha256(relpath.encode()).hexdigest()[:24]}.json"
 
-    def get(self, job: Job, options: dict) -> dict | None:
+    def _read(self, relpath: str) -> dict | None:
         try:
-            entry = json.loads(self._file(job.relpath).read_text(encoding="utf-8"))
+            entry = json.loads(self._file(relpath).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
-        fits = entry.get("relpath") == job.relpath and entry.get("sha256") == job.sha256 and entry.get("options") == options
-        return entry if fits and "report" in entry else None
+        return entry if isinstance(entry, dict) and entry.get("relpath") == relpath else None
 
-    def put(self, job: Job, options: dict, result: dict) -> dict:
-        entry = {"relpath": job.relpath, "sha256": job.sha256, "options": options, **result}
+    def get(self, job: Job, options: dict) -> dict | None:
+        """An earlier run's result for this very content and these options."""
+        entry = self._read(job.relpath)
+        fits = entry is not None and entry.get("sha256") == job.sha256 and entry.get("options") == options
+        return entry if fits and "report" in entry and not entry.get("changed") else None
+
+    def result(self, job: Job, options: dict, run: str) -> dict | None:
+        """This run's result for `job`, once its worker has written it."""
+        entry = self._read(job.relpath)
+        return entry if entry is not None and entry.get("run") == run and entry.get("options") == options else None
+
+    def put(self, job: Job, options: dict, result: dict, run: str) -> None:
+        entry = {"relpath": job.relpath, "sha256": job.sha256, "options": options, "run": run, **result}
         write_atomically(self._file(job.relpath), json.dumps(entry, indent=1) + "\n")
-        return entry

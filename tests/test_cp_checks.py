@@ -4,7 +4,6 @@ values, the causal mask forgotten between blocks, a zigzag that returns its chun
 all-gather where a ring or an all-to-all is asked for), and accepts correct answers written
 differently from the course's (isend/irecv instead of batch_isend_irecv)."""
 import nbformat
-import pytest
 
 from conftest import grade, solution_path
 

@@ -65,7 +65,7 @@ class Costs(InterviewQuestions):
         if name == "ring_bytes_per_layer":
             return {"that counts K only; V goes around too": cp.ring_bytes_per_layer(tokens, kv_hidden, c, size) / 2,
                     "that is c steps; a rank's own block never needs sending to itself: c - 1 steps": whole}
-        return {"that counts K only; V is gathered too": cp.allgather_kv_bytes_per_layer(tokens, kv_hidden, c, size) / 2,
+        return {"that counts K only; V is gathered too": whole * (c - 1) / c / 2,
                 "that is the whole K and V; a rank sends only its own block, to each of the c - 1 others": whole}
 
 

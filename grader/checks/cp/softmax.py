@@ -37,7 +37,8 @@ def without_rescale(q, k, v, sizes, causal):
     for size in sizes:
         scores = q @ k[start:start + size].T / math.sqrt(q.shape[1])
         if causal:
-            scores = np.where(np.arange(start, start + size)[None, :] <= np.arange(q.shape[0])[:, None], scores, -np.inf)
+            keys = np.arange(start, start + size)
+            scores = np.where(keys[None, :] <= np.arange(q.shape[0])[:, None], scores, -np.inf)
         block_max = scores.max(axis=1, keepdims=True)
         weights = np.exp(scores - np.where(np.isfinite(block_max), block_max, 0.0))
         total, acc = total + weights.sum(axis=1), acc + weights @ v[start:start + size]
@@ -81,8 +82,10 @@ class OnlineSoftmax(Check):
             wanted = attention_numpy(q, k, v, causal)
             if isinstance(out, np.ndarray) and out.shape == wanted.shape:
                 if not np.all(np.isfinite(out)):
-                    raise CheckFailed(f"{what} contains inf or nan: scores reach {np.abs(q @ k.T).max() / math.sqrt(q.shape[1]):.3g}, "
-                                      "and exp of that overflows; subtract the running maximum before exponentiating")
+                    largest = np.abs(q @ k.T).max() / math.sqrt(q.shape[1])
+                    raise CheckFailed(f"{what} contains inf or nan: scores reach {largest:.3g}, "
+                                      "where exp overflows, and a causal block can have every key masked (its own "
+                                      "maximum is -inf): subtract the running maximum before exponentiating")
                 if not np.allclose(out, wanted, rtol=1e-6, atol=1e-8) and np.allclose(
                         out, without_rescale(q, k, v, sizes, causal), rtol=1e-6, atol=1e-8):
                     raise CheckFailed(f"{what} sums exponentials taken against different maxima: when a block raises "

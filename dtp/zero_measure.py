@@ -394,31 +394,13 @@ def bytes_written() -> int:
 
 
 def saving_gathered_weights(course):
-    """A variant of the course's ZeRO-3 module (`course` holds the chapter's solution) whose
-    layers save each gathered weight for backward, as `nn.functional.linear` would: the book
-    shows how much that keeps alive. (Kept out of the page's source, which the book publishes,
-    because it shares most of its lines with the exercise's solution.)"""
-    import torch
-    from torch import nn
-
-    class SavesGatheredLinear(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, inputs, piece, out_features, in_features):
-            layer = course.all_gather_full(piece, out_features * (in_features + 1))
-            weight = layer[:out_features * in_features].view(out_features, in_features)
-            ctx.save_for_backward(inputs, weight)
-            return nn.functional.linear(inputs, weight, layer[out_features * in_features:])
-
-        @staticmethod
-        def backward(ctx, grad_output):
-            inputs, weight = ctx.saved_tensors
-            grad_layer = torch.cat([(grad_output.T @ inputs).reshape(-1), grad_output.sum(0)])
-            return grad_output @ weight, course.reduce_scatter_mean(grad_layer), None, None
+    """A variant of the course's ZeRO-3 module (`course` holds the chapter's solution) that runs
+    the model without its saved-tensor hooks, so that autograd saves each gathered weight for
+    backward, as `nn.functional.linear` does: the book shows how much that keeps alive. (Kept out
+    of the page's source, which the book publishes, because it names the exercise's solution.)"""
 
     class SavesGathered(course.ZeRO3Module):
-        def forward(self, x):
-            for kind, *what in self.steps:
-                x = SavesGatheredLinear.apply(x, self.pieces[what[0]], *what[1:]) if kind == "linear" else what[0](x)
-            return x
+        def forward(self, *args, **kwargs):
+            return self.model(*args, **kwargs)
 
     return SavesGathered

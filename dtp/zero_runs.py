@@ -44,11 +44,11 @@ def train_zero_rank(rank, world_size, stage, make, sizes, seed, batch_seed, step
 
     stage 0: plain data parallelism (torch Adam, gradients all-reduced); stages 1 and 2:
     `make(model, lr=..., betas=..., eps=...)` returns a wrapper whose step() is called after
-    backward; stage 3: `make(model)` returns a module whose parameters torch Adam steps."""
+    backward; stage 3: `make(model, units)` returns a module whose parameters torch Adam steps."""
     model = tiny_mlp(sizes, seed)
     parameters = list(model.parameters())
-    if stage == 3:
-        module = make(model)
+    if stage == 3:  # exercise 4's wrapper, each Linear layer a unit (the Sequential root then has none left)
+        module = make(model, [layer for layer in model if isinstance(layer, nn.Linear)])
         del model, parameters  # from here on, only the wrapper holds the weights
         optimizer = torch.optim.Adam(module.parameters(), **ADAM)
         forward, watched, roots = module, [], {"zero": module, "optimizer": optimizer}
@@ -124,4 +124,109 @@ def single_process_adam(sizes, seed: int, global_batches, world_size: int) -> di
             first_gradient = float(sum(p.grad.abs().sum() for p in model.parameters()))
         optimizer.step()
         states.append(state_as_numpy(model))
+    return {"states": states, "losses": losses, "first gradient": first_gradient}
+
+
+# --- ZeRO-3 around a small GPT (exercise 4) ---------------------------------------------------
+# The learner's `ZeRO3Module(model, units)` wraps a GPT with tied embeddings, each block a unit
+# and the root (the model) a unit for what is left; AdamW with weight decay steps its pieces.
+
+ADAMW = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-4, "weight_decay": 0.1}  # eps: see ADAM
+GPT_ROWS_PER_RANK, GPT_SEQ = 2, 6
+
+
+def small_gpt(config: tuple, seed: int):
+    """A GPT (dtp.gpt) with tied embeddings, from (vocabulary, layers, hidden, heads)."""
+    from .gpt import GPT, GPTConfig
+    vocab, layers, hidden, heads = config
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=vocab, n_positions=GPT_SEQ, n_layers=layers, hidden=hidden, n_heads=heads,
+                         dropout=0.0))
+
+
+def gpt_units(model) -> list[list[str]]:
+    """The units of exercise 4, in the order of the wrapper's pieces: each block's parameters, then
+    the root's (those in no block, a tied one once), each in `named_parameters()` order."""
+    units = [[f"blocks.{i}.{name}" for name, _ in block.named_parameters()] for i, block in enumerate(model.blocks)]
+    in_blocks = {name for unit in units for name in unit}
+    return units + [[name for name, _ in model.named_parameters() if name not in in_blocks]]
+
+
+def gpt_batches(config: tuple, batch_seed: int, world_size: int, steps: int = STEPS):
+    generator = torch.Generator().manual_seed(batch_seed)
+    return [torch.randint(0, config[0], (GPT_ROWS_PER_RANK * world_size, GPT_SEQ + 1), generator=generator)
+            for _ in range(steps)]
+
+
+def gpt_loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def gpt_rows(rank: int) -> slice:
+    return slice(rank * GPT_ROWS_PER_RANK, (rank + 1) * GPT_ROWS_PER_RANK)
+
+
+def train_zero3_gpt_rank(rank, world_size, make, config, seed, batch_seed, steps: int = STEPS) -> dict:
+    """One rank of exercise 4: `make(model, list(model.blocks))` wraps `small_gpt(config, seed)`,
+    AdamW steps the wrapper's parameters. Records per step what `train_zero_rank` records for
+    stage 3 (losses, pieces after the step, collectives with forward/backward/step marks, bytes held
+    after backward, gathered weights alive and gathered units at once, AdamW's first momentum)."""
+    model = small_gpt(config, seed)
+    module = make(model, list(model.blocks))
+    del model  # from here on, only the wrapper holds the weights
+    optimizer = torch.optim.AdamW(module.parameters(), **ADAMW)
+    roots = {"zero": module, "optimizer": optimizer}
+    weights = list(module.parameters())
+    tracker = FullTensorTracker([], unit_limit=GATHERED_UNITS_LIMIT)
+    outcome = {"losses": [], "states": [], "events": [], "held": [], "full weights": [], "gathered units": [],
+               "exp_avg": None}
+    for step, tokens in enumerate(gpt_batches(config, batch_seed, world_size, steps)):
+        tracker.new_step()
+        with CommunicationLog() as log, tracker:
+            log.mark("forward")
+            tracker.phase = "forward"
+            loss = gpt_loss(module, tokens[gpt_rows(rank)])
+            log.mark("backward")
+            tracker.phase = "backward"
+            loss.backward()
+            log.mark("step")
+            tracker.phase = "after backward"
+            after_backward = tracker.full_bytes_alive()
+            outcome["held"].append(held_bytes(weights, **roots))
+            tracker.phase = "step"
+            optimizer.step()
+            log.mark("end")
+            tracker.phase = "after step"
+            tracker.sample()
+        outcome["full weights"].append({"forward": tracker.peaks.get("forward", 0),
+                                        "backward": tracker.peaks.get("backward", 0),
+                                        "after backward": after_backward, "after step": tracker.full_bytes_alive()})
+        outcome["gathered units"].append({phase: tracker.unit_peaks.get(phase, 0) for phase in ("forward", "backward")})
+        outcome["losses"].append(float(loss.detach()))
+        outcome["events"].append([{key: e[key] for key in ("op", "bytes", "label") if key in e} for e in log.events])
+        if step == 0:
+            moments = [state["exp_avg"] for state in optimizer.state.values() if "exp_avg" in state]
+            outcome["exp_avg"] = float(sum(m.abs().sum() for m in moments)) if moments else None
+        outcome["states"].append([p.detach().clone().numpy() for p in weights])
+        optimizer.zero_grad(set_to_none=True)
+    return outcome
+
+
+def single_process_adamw_gpt(config, seed: int, global_batches, world_size: int) -> dict:
+    """What data-parallel AdamW computes on the GPT: the state after each step (by name), each
+    rank's loss on its rows before the step, and the summed |gradient| of the first step."""
+    model = small_gpt(config, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    states, losses, first_gradient = [], [], None
+    for tokens in global_batches:
+        with torch.no_grad():
+            losses.append([float(gpt_loss(model, tokens[gpt_rows(r)])) for r in range(world_size)])
+        optimizer.zero_grad()
+        # The mean of the ranks' mean losses (equal rows per rank): what averaged gradients descend.
+        gpt_loss(model, tokens).backward()
+        if first_gradient is None:
+            first_gradient = float(sum(p.grad.abs().sum() for p in model.parameters()))
+        optimizer.step()
+        states.append({name: p.detach().clone().numpy() for name, p in model.named_parameters()})
     return {"states": states, "losses": losses, "first gradient": first_gradient}

@@ -284,114 +284,94 @@ def test_zero2_accepts_one_flat_piece_per_layer(tmp_notebook):
 
 # --- exercise 4: ZeRO-3 ---
 
+# Without saved-tensor hooks autograd keeps every unit's gathered weights from forward to backward,
+# and backward gathers nothing.
 ZERO3_SAVES_GATHERED_WEIGHTS = changed(ZERO3_CELL, (
-    "        ctx.save_for_backward(inputs, piece)  # the piece, not the gathered weight: that is freed on return",
-    "        ctx.save_for_backward(inputs, piece, weight)"), (
-    "        inputs, piece = ctx.saved_tensors", "        inputs, piece, weight = ctx.saved_tensors"), (
-    "        layer = all_gather_full(piece, out_features * (in_features + 1))  # gathered again, for backward\n"
-    "        weight = layer[:out_features * in_features].view(out_features, in_features)\n", ""))
+    "        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):\n"
+    "            return self.model(*args, **kwargs)", "        return self.model(*args, **kwargs)"))
 
-ZERO3_HOLDS_EVERY_LAYER = changed(ZERO3_CELL, (
-    "        ctx.save_for_backward(inputs, piece)  # the piece, not the gathered weight: that is freed on return",
-    "        HELD.append(layer)  # until the whole forward is done\n        ctx.save_for_backward(inputs, piece)"), (
-    "        return x\n", "        HELD.clear()\n        return x\n")) + "\n\nHELD = []\n"
+# A list of the gathered units, emptied only when the whole forward is done.
+ZERO3_HOLDS_EVERY_UNIT = changed(ZERO3_CELL, (
+    "            self.install(index, flat)\n", "            self.install(index, flat)\n            HELD.append(flat)\n"), (
+    "            return self.model(*args, **kwargs)",
+    "            output = self.model(*args, **kwargs)\n        HELD.clear()\n        return output")) + "\n\nHELD = []\n"
+
+# Backward's copies are never freed: every unit is still gathered when backward ends.
+ZERO3_KEEPS_BACKWARD_COPIES = changed(ZERO3_CELL, (
+    "        ctx.wrapper.for_backward.pop(ctx.index, None)  # the unit's backward is over: free its weights\n", ""))
 
 ZERO3_KEEPS_THE_MODEL = changed(ZERO3_CELL, (
-    "        self.pieces = nn.ParameterList()", "        self.pieces = nn.ParameterList()\n"
-    "        self.original_layers = list(model)  # a plain list: not registered, but kept alive"))
+    "        self.model = model\n", "        self.model = model\n"
+    "        self.original = [p.detach().clone() for p in model.parameters()]  # 'for safety'\n"))
 
 
 @pytest.mark.parametrize("source, feedback", [
-    (ZERO3_SAVES_GATHERED_WEIGHTS, "did not all-gather the weights again during backward"),
-    (ZERO3_HOLDS_EVERY_LAYER, "during forward"),
-    (ZERO3_KEEPS_THE_MODEL, "zero.original_layers"),
-    (changed(ZERO3_CELL, ("return grad_output @ weight, reduce_scatter_mean(grad_layer), None, None",
-                          "return grad_output @ weight, reduce_scatter_mean(grad_layer) / dist.get_world_size(), "
-                          "None, None")), "divided by the world size twice"),
-    ("from torch.distributed.fsdp import fully_shard\n\ndef ZeRO3Module(model):\n    return fully_shard(model)\n",
+    (ZERO3_SAVES_GATHERED_WEIGHTS, "all-gathered nothing during backward"),
+    (ZERO3_HOLDS_EVERY_UNIT, "at once during forward"),
+    (ZERO3_KEEPS_BACKWARD_COPIES, "the weights gathered for step 1's backward outlived it"),
+    (ZERO3_KEEPS_THE_MODEL, "zero.original"),
+    (changed(ZERO3_CELL, ("return reduce_scatter_mean(grad_full), None, None",
+                          "return reduce_scatter_mean(grad_full) / dist.get_world_size(), None, None")),
+     "divided by the world size twice"),
+    (changed(ZERO3_CELL, ("return reduce_scatter_mean(grad_full), None, None",
+                          "return reduce_scatter_mean(grad_full) * dist.get_world_size(), None, None")),
+     "the reduce-scatter sums"),
+    ("from torch.distributed.fsdp import fully_shard\n\ndef ZeRO3Module(model, units):\n"
+     "    for unit in units:\n        fully_shard(unit)\n    return fully_shard(model)\n", "uses the course's reference"),
+    ("from dtp.sharded import ZeRO3\n\ndef ZeRO3Module(model, units):\n    return ZeRO3(model, units)\n",
      "uses the course's reference"),
-], ids=["saves-gathered-weights", "holds-every-layer", "keeps-the-layers", "averages-twice", "fully-shard"])
+], ids=["saves-gathered-weights", "holds-every-unit", "keeps-backward-copies", "keeps-the-model", "averages-twice",
+        "sums", "fully-shard", "course-zero3"])
 def test_zero3_rejects(tmp_notebook, source, feedback):
     assert_fails(graded(tmp_notebook, "zero.zero3", {"ZeRO3Module": source}), feedback)
 
 
-# Every layer but the first keeps its gathered weights from forward to its backward (which still
-# gathers again): fewer bytes than all the weights, but three layers gathered at once.
-ZERO3_KEEPS_ALL_BUT_ONE_LAYER = changed(ZERO3_CELL, (
-    "        ctx.save_for_backward(inputs, piece)  # the piece, not the gathered weight: that is freed on return",
-    "        kept = (layer,) if in_features != 8 else ()  # all but the first layer (the check's models take 8 inputs)\n"
-    "        ctx.save_for_backward(inputs, piece, *kept)"), (
-    "        inputs, piece = ctx.saved_tensors", "        inputs, piece = ctx.saved_tensors[:2]"))
-
-# The same in forward only: a list of gathered layers, emptied at the end of forward.
-ZERO3_HOLDS_ALL_BUT_ONE_IN_FORWARD = changed(ZERO3_CELL, (
-    "        ctx.save_for_backward(inputs, piece)  # the piece, not the gathered weight: that is freed on return",
-    "        if in_features != 8:\n            HELD.append(layer)\n        ctx.save_for_backward(inputs, piece)"), (
-    "        return x\n", "        HELD.clear()\n        return x\n")) + "\n\nHELD = []\n"
-
-
-@pytest.mark.parametrize("source, feedback", [
-    (ZERO3_KEEPS_ALL_BUT_ONE_LAYER, "held the gathered weights of 3 layers at once"),
-    (ZERO3_HOLDS_ALL_BUT_ONE_IN_FORWARD, "during forward in step 2 rank 0 held the gathered weights of 3 layers"),
-], ids=["saves-all-but-one-for-backward", "holds-all-but-one-in-forward"])
-def test_zero3_allows_at_most_two_gathered_layers(tmp_notebook, source, feedback):
-    assert_fails(graded(tmp_notebook, "zero.zero3", {"ZeRO3Module": source}), feedback)
-
-
-ZERO3_PER_PARAMETER_LISTS = '''
-def gather_list(piece, numel):
-    parts = [torch.empty_like(piece) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, piece)
-    return torch.cat(parts)[:numel]
-
-
-class ShardedLinear(torch.autograd.Function):
-    """One piece per parameter, as FSDP2 shards; the bias is not gathered again for backward."""
-
-    @staticmethod
-    def forward(ctx, inputs, weight_piece, bias_piece, out_features, in_features):
-        weight = gather_list(weight_piece, out_features * in_features).view(out_features, in_features)
-        bias = gather_list(bias_piece, out_features)
-        ctx.save_for_backward(inputs, weight_piece)
-        ctx.shape = (out_features, in_features)
-        return inputs @ weight.T + bias
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        inputs, weight_piece = ctx.saved_tensors
-        weight = gather_list(weight_piece, ctx.shape[0] * ctx.shape[1]).view(ctx.shape)
-        return (grad_output @ weight, reduce_scatter_mean(grad_output.T @ inputs),
-                reduce_scatter_mean(grad_output.sum(0)), None, None)
+# Correct, written otherwise: all_gather and reduce_scatter with lists, hooks that wrap each unit's
+# forward instead of module hooks, and backward copies keyed by the unit's module.
+ZERO3_LISTS_AND_WRAPPED_FORWARDS = changed(
+    ZERO3_CELL,
+    ("        return all_gather_full(piece, wrapper.numels[index])",
+     "        parts = [torch.empty_like(piece) for _ in range(dist.get_world_size())]\n"
+     "        dist.all_gather(parts, piece)\n"
+     "        return torch.cat(parts)[:wrapper.numels[index]]"),
+    ("        return reduce_scatter_mean(grad_full), None, None",
+     "        n = dist.get_world_size()\n"
+     "        c = -(-grad_full.numel() // n)\n"
+     "        padded = torch.nn.functional.pad(grad_full, (0, n * c - grad_full.numel()))\n"
+     "        out = torch.empty(c)\n"
+     "        dist.reduce_scatter(out, list(padded.split(c)))\n"
+     "        return out / n, None, None"),
+    ("            unit.register_forward_pre_hook(self.gather_hook(len(self.uses) - 1))\n"
+     "            unit.register_forward_hook(self.free_hook(len(self.uses) - 1))\n",
+     "            unit.forward = self.wrapped(unit.forward, len(self.uses) - 1)\n"),
+    ("    def gather_hook(self, index):",
+     "    def wrapped(self, forward, index):\n"
+     "        gather, free = self.gather_hook(index), self.free_hook(index)\n\n"
+     "        def run(*args, **kwargs):\n"
+     "            gather(None, args)\n"
+     "            output = forward(*args, **kwargs)\n"
+     "            free(None, args, output)\n"
+     "            return output\n"
+     "        return run\n\n"
+     "    def gather_hook(self, index):"))
 
 
-class ZeRO3Module(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        self.pieces = nn.ParameterList()
-        self.plan = []
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                self.pieces.append(nn.Parameter(piece_of(layer.weight, rank, world_size)))
-                self.pieces.append(nn.Parameter(piece_of(layer.bias, rank, world_size)))
-                self.plan.append((len(self.pieces) - 2, layer.out_features, layer.in_features))
-            else:
-                self.plan.append(layer)
-
-    def forward(self, x):
-        for step in self.plan:
-            if isinstance(step, tuple):
-                index, out_features, in_features = step
-                x = ShardedLinear.apply(x, self.pieces[index], self.pieces[index + 1], out_features, in_features)
-            else:
-                x = step(x)
-        return x
-'''
-
-
-def test_zero3_accepts_one_piece_per_parameter_and_all_gather_lists(tmp_notebook):
-    result = graded(tmp_notebook, "zero.zero3", {"ZeRO3Module": ZERO3_PER_PARAMETER_LISTS})
+def test_zero3_accepts_list_collectives_and_wrapped_forwards(tmp_notebook):
+    result = graded(tmp_notebook, "zero.zero3", {"ZeRO3Module": ZERO3_LISTS_AND_WRAPPED_FORWARDS})
     assert result.status == "passed", result
+
+
+def test_zero3_draws_transformers_whose_units_need_padding():
+    """Every world of every grading draws a GPT whose units (blocks and root) all need padding,
+    so a wrapper that forgets to pad cannot pass."""
+    import numpy as np
+
+    from grader.checks.zero import zero3
+    from grader.registry import find_exercise
+    check = find_exercise("zero.zero3").check
+    for seed in range(30):
+        for n, config, _, _ in check.prepare(np.random.default_rng(seed)):
+            assert all(size % n for size in zero3.unit_sizes(config)[1]), (seed, n, config)
 
 
 # --- exercise 5: exact bytes ---
@@ -518,7 +498,7 @@ def test_every_stage_grading_draws_models_that_need_padding():
 
     from grader.checks.zero import stages as checks
     from grader.registry import find_exercise
-    for exercise_id in ("zero.zero1", "zero.zero2", "zero.zero3"):
+    for exercise_id in ("zero.zero1", "zero.zero2"):
         check = find_exercise(exercise_id).check
         for seed in range(100):
             for n, sizes, _, _ in check.prepare(np.random.default_rng(seed)):
@@ -532,3 +512,17 @@ def test_no_cell_both_tries_an_exercise_and_checks_it():
     both = [cell.source[:60] for cell in SOLUTION.cells
             if cell.cell_type == "code" and "with demo(" in cell.source and "check(" in cell.source]
     assert both == []
+
+
+# Every unit but the first block stays gathered until forward ends: fewer bytes than all the
+# weights, but three units (root, blocks 1 and 2) gathered at once, where ZeRO-3 needs two.
+ZERO3_HOLDS_ALL_BUT_ONE_UNIT = changed(ZERO3_CELL, (
+    "            self.install(index, flat)\n",
+    "            self.install(index, flat)\n            if index != 0:\n                HELD.append(flat)\n"), (
+    "            return self.model(*args, **kwargs)",
+    "            output = self.model(*args, **kwargs)\n        HELD.clear()\n        return output")) + "\n\nHELD = []\n"
+
+
+def test_zero3_allows_at_most_two_gathered_units(tmp_notebook):
+    assert_fails(graded(tmp_notebook, "zero.zero3", {"ZeRO3Module": ZERO3_HOLDS_ALL_BUT_ONE_UNIT}),
+                 "held the gathered weights of 3 units at once during forward")

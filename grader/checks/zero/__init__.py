@@ -5,4 +5,4 @@ Adam equals), the closed forms of `dtp.zero` (checked against measurements in
 tests/test_zero_formulas.py), and the layout a run used, recovered from the pieces it
 all-gathered. Mechanisms, from what the learner's code did on each rank (see `stages`).
 """
-from . import memory, stages, exact_bytes, interview  # noqa: F401 - importing registers the exercises, in this order
+from . import memory, stages, zero3, exact_bytes, interview  # noqa: F401 - importing registers the exercises, in this order

@@ -1,4 +1,5 @@
-"""Exercises 2, 3 and 4 of the ZeRO chapter: ZeRO-1, ZeRO-2 and ZeRO-3 trained on gloo.
+"""Exercises 2 and 3 of the ZeRO chapter: ZeRO-1 and ZeRO-2 trained on gloo (ZeRO-3, exercise 4, is in
+`zero3`).
 
 Oracles, computed in the grader: single-process Adam on the full batch (which plain data-parallel
 Adam equals), and the layout a run used, recovered from the pieces it all-gathered
@@ -27,10 +28,6 @@ ALLOWED_OPS = {"all_gather", "reduce_scatter", "wait", "mark"}
 
 def _parameter_sizes(sizes) -> list[int]:
     return [p.numel() for p in tiny_mlp(sizes).parameters()]
-
-
-def _matrix_flags(sizes) -> list[bool]:
-    return [p.dim() > 1 for p in tiny_mlp(sizes).parameters()]
 
 
 class StageJudge:
@@ -90,16 +87,12 @@ class StageJudge:
             expect(all(size % n == 0 for size in scatters),
                    f"{self.name}: rank {rank} reduce-scattered {scatters} elements in step {step}: pad each tensor to a "
                    f"multiple of the world size ({n}) so that every rank receives an equal piece")
-            pieces = self.gathered_between(events, "forward", "backward") if self.stage == 3 else \
-                [e["bytes"] // zero.FP32_ITEMSIZE for e in events if e["op"] == "all_gather"]
-            # Forward runs the layers in the model's order, so ZeRO-3's forward gathers come in that
-            # order, which tells apart splits of the parameters with the same pieces.
-            units = (self.stage == 3 and zero.units_from_pieces(pieces, self.parameter_sizes, n, ordered=True)) \
-                or zero.units_from_pieces(pieces, self.parameter_sizes, n)
+            pieces = [e["bytes"] // zero.FP32_ITEMSIZE for e in events if e["op"] == "all_gather"]
+            units = zero.units_from_pieces(pieces, self.parameter_sizes, n)
             if units is None:
                 raise CheckFailed(
                     f"{self.name}: in step {step} rank {rank} all-gathered pieces of {sorted(pieces)} elements"
-                    f"{' in forward' if self.stage == 3 else ''} for parameters of {self.parameter_sizes} elements; "
+                    f" for parameters of {self.parameter_sizes} elements; "
                     f"each parameter must be gathered once, in pieces of ceil(u/{n}) elements of a tensor of u "
                     "elements (one tensor per parameter, per layer, or one flat buffer of all of them)")
             self.units = units
@@ -108,8 +101,6 @@ class StageJudge:
                    f"all-gathered ({units} elements) should be reduce-scattered once, padded to a multiple of {n}")
             if self.stage >= 2:
                 self.scattered_during_backward(rank, step, events)
-            if self.stage == 3:
-                self.gathered_again(rank, step, events, units)
 
     def scattered_during_backward(self, rank: int, step: int, events) -> None:
         labels = [e.get("label") for e in events]
@@ -117,34 +108,6 @@ class StageJudge:
         expect(not late, f"{self.name}: rank {rank} reduce-scattered gradients after backward (in step {step}): "
                          f"ZeRO-{self.stage} reduce-scatters each gradient during backward, as soon as it is produced "
                          "(a post-accumulate-grad hook), so that the full gradients never exist together")
-
-    def gathered_again(self, rank: int, step: int, events, units: list[int]) -> None:
-        """In backward, every unit holding a weight matrix is gathered again (a bias alone is not
-        needed: its gradient is the sum of the output gradient)."""
-        again = self.gathered_between(events, "backward", "step")
-        missing = sorted(zero.shard_numel(u, self.n) for u, matrix in zip(units, self.units_with_matrices(units))
-                         if matrix)
-        for piece in again:
-            if piece in missing:
-                missing.remove(piece)
-        if missing:
-            peak = max(o["full weights"][step - 1]["forward"] for o in self.per_rank)
-            raise CheckFailed(
-                f"{self.name}: rank {rank} did not all-gather the weights again during backward (step {step}): "
-                f"pieces of {missing} elements are missing. Weights gathered in forward and saved for backward stay "
-                f"alive until backward reaches them (here up to {peak} of the {zero.FP32_ITEMSIZE * self.psi} bytes "
-                "of weights at once): free them after each layer's forward and gather them again in backward")
-
-    def units_with_matrices(self, units: list[int]) -> list[bool]:
-        flags, index, result = _matrix_flags(self.sizes), 0, []
-        for unit in units:
-            total, matrix = 0, False
-            while total < unit:
-                total += self.parameter_sizes[index]
-                matrix = matrix or flags[index]
-                index += 1
-            result.append(matrix)
-        return result
 
     # --- where Adam's state lives, and how the gradients were averaged ---
     def shard_elements(self) -> int:
@@ -216,16 +179,10 @@ class StageJudge:
             where = f"{self.name}: rank {rank} after backward in step {step + 1}"
             if self.stage == 2:
                 self.gradients_freed(rank, step, outcome)
-            if self.stage == 3:
-                self.full_weights(rank, step, outcome)
-                expect(held["weights"] == item * shard,
-                       f"{where} holds {held['weights']} bytes of parameters; ZeRO-3 keeps only this rank's pieces, "
-                       f"{item * shard} bytes: register only the pieces as your module's parameters")
-            else:
-                expect(held["weights"] in (item * (psi + shard), item * padded),
-                       f"{where} holds {held['weights']} bytes of weights; the model's {item * psi} and your pieces' "
-                       f"{item * shard} make {item * (psi + shard)} (or {item * padded} if the model's weights live in "
-                       "padded buffers that your pieces are views of)")
+            expect(held["weights"] in (item * (psi + shard), item * padded),
+                   f"{where} holds {held['weights']} bytes of weights; the model's {item * psi} and your pieces' "
+                   f"{item * shard} make {item * (psi + shard)} (or {item * padded} if the model's weights live in "
+                   "padded buffers that your pieces are views of)")
             if self.stage >= 2:
                 expect(held["gradients"] == item * shard,
                        f"{where} holds {held['gradients']} bytes of gradients; ZeRO-{self.stage} keeps the averaged "
@@ -257,51 +214,6 @@ class StageJudge:
                 "had been reduce-scattered and the next gradient had been reduce-scattered too: ZeRO-2 frees each "
                 "full gradient as soon as its piece is averaged (parameter.grad = None in the hook, and no other "
                 "reference to it, in a list or on the wrapper), so that one unit's full gradient at most is alive")
-
-    def full_weights(self, rank: int, step: int, outcome: dict) -> None:
-        record = outcome["full weights"][step]
-        total = zero.FP32_ITEMSIZE * self.psi
-        units = outcome["gathered units"][step]
-        # A unit is what one all-gather brings (a layer, or a parameter where each is sharded on its own).
-        per_layer = -(-len(self.units) // (len(self.sizes) - 1))
-        allowed = zero_runs.GATHERED_UNITS_LIMIT * per_layer
-        what = "layers" if per_layer == 1 else "layers' worth of units"
-        for phase in ("forward", "backward"):
-            expect(record[phase] < total,
-                   f"{self.name}: during {phase} in step {step + 1} rank {rank} held {record[phase]} bytes of "
-                   f"gathered weights at once, all {total} bytes of them: gather each layer's weights just before "
-                   "it runs and free them right after")
-            expect(units[phase] <= allowed,
-                   f"{self.name}: during {phase} in step {step + 1} rank {rank} held the gathered weights of "
-                   f"{-(-units[phase] // per_layer)} layers at once (up to {record[phase]} of the {total} bytes of "
-                   f"weights): ZeRO-3 keeps a layer gathered only while it runs, so at most "
-                   f"{zero_runs.GATHERED_UNITS_LIMIT} {what} are alive at any time. Free each layer's gathered "
-                   "weights right after its forward (save the piece for backward, not the weights, nor a list of "
-                   "them) and gather them again in backward")
-        for moment in ("after backward", "after step"):
-            expect(record[moment] == 0,
-                   f"{self.name}: {moment} in step {step + 1} rank {rank} still holds {record[moment]} bytes of "
-                   "gathered weights: free them once the layer's forward or backward is done")
-
-
-class Zero3Judge(StageJudge):
-    """ZeRO-3's weights exist on a rank only as pieces: the grader puts them back together."""
-
-    def compare_state(self, rank: int, step: int, outcome: dict) -> None:
-        pieces_by_rank = [o["states"][step] for o in self.per_rank]
-        sizes = [np.size(piece) for piece in pieces_by_rank[rank]]
-        expect(all([np.size(p) for p in pieces] == sizes for pieces in pieces_by_rank),
-               f"{self.name}: the ranks' modules have parameters of different sizes; every rank holds pieces of "
-               "ceil(u/n) elements of the same units")
-        units = zero.units_from_pieces(sizes, self.parameter_sizes, self.n, ordered=True)
-        expect(units is not None, f"{self.name}: rank {rank}'s module parameters have {sizes} elements, which are not pieces "
-                         f"of ceil(u/{self.n}) elements of the model's parameters ({self.parameter_sizes} elements) in "
-                         "the model's order")
-        full = np.concatenate(zero.unshard(pieces_by_rank, units))
-        reference = np.concatenate([np.ravel(v) for v in self.reference["states"][step].values()])
-        expect_close(full, reference, f"{self.name}: the weights after step {step + 1}, put together from every "
-                                      "rank's pieces", rtol=1e-4, atol=1e-5)
-
 
 def _needs_padding(sizes, n: int) -> bool:
     """Whether a run of tiny_mlp(sizes) on n ranks pads some parameter and some layer: only then
@@ -384,25 +296,3 @@ class ZeRO2(ZeroStageCheck):
     summary = ("3 Adam steps equal plain data-parallel Adam on 2 and 3 ranks; each gradient reduce-scattered during "
                "backward and freed before the next one's reduce-scatter, only the averaged pieces kept; 2(n-1)/n·Ψ "
                "sent per step")
-
-
-@exercise("zero.zero3", points=4)
-class ZeRO3(ZeroStageCheck):
-    """Verifies: on 3 and 4 ranks, a 4-layer MLP wrapped by the learner's module and trained by
-    torch Adam over its parameters equals plain data-parallel Adam (the pieces are put back
-    together in the grader); the module's parameters are the rank's padded pieces only; every
-    unit is all-gathered once in forward and again in backward (units with a weight matrix), and
-    reduce-scattered once; gathered weights, followed through every copy by a dispatch mode,
-    come from at most two layers' all-gathers at any moment (counted after every operation,
-    once gloo has let go of its buffers; never judged by time), never amount to all weights, and
-    are all freed after backward and after the step.
-    Fakes: torch's fully_shard/FSDP trip; keeping gathered weights for backward, all or all but
-    one (the gathers counted alive, and the missing all-gathers); keeping the full model inside
-    the module (bytes)."""
-
-    reads = ("ZeRO3Module",)
-    references = FSDP_REFERENCES
-    stage, name, world_sizes, layers, judge_class = 3, "ZeRO3Module", (3, 4), 4, Zero3Judge
-    summary = ("3 Adam steps equal plain data-parallel Adam on 3 and 4 ranks; only pieces held, each layer gathered "
-               "just before forward and again in backward, at most two layers gathered at once; 3(n-1)/n·Ψ sent per "
-               "step")

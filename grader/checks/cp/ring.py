@@ -92,7 +92,7 @@ class RingForward(Check):
                 judge_output(outcome["result"], wanted[:, rows], f"{where}: rank {rank}'s output", slips)
         raise_world_failure(failure)
         return ("outputs equal single-process attention for c = 2 and 4 (causal); K and V blocks passed on to one "
-                "neighbour in c - 1 steps, scores computed block by block, no rank holding all of K and V")
+                "neighbour in c - 1 steps, scores computed block by block as the blocks arrived, no buffer for all of K and V")
 
 
 @exercise("cp.ring_backward", points=3)

@@ -50,8 +50,10 @@ def top_k_routing(logits: np.ndarray, k: int, renormalize: bool) -> tuple[np.nda
 
 
 def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> int:
-    """ceil(capacity_factor · T · k / E): the buffer size of each expert (exact rational arithmetic)."""
-    return math.ceil(Fraction(capacity_factor) * num_tokens * k / num_experts)
+    """ceil(capacity_factor · T · k / E): the buffer size of each expert, in exact rational
+    arithmetic on the factor's decimal value (1.1 is 11/10, not the binary double just above it,
+    which would make ceil(1.1 · 80 · 2 / 8) 23 instead of 22)."""
+    return math.ceil(Fraction(str(capacity_factor)) * num_tokens * k / num_experts)
 
 
 def assign_slots(indices: np.ndarray, num_experts: int, capacity: int | None = None) -> np.ndarray:

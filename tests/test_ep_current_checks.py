@@ -212,3 +212,49 @@ def test_node_limited(tmp_notebook, changes, feedback):
 def test_node_limit_after_top_k_is_named(tmp_notebook):
     result = graded(tmp_notebook, "ep.node_limited", {"node_limited_router": AFTER_TOP_K})
     assert result.status == "failed" and "the limit is applied after the top-k" in result.feedback, result
+
+
+# --- exercise 10: EP beside TP with sequence parallelism (a gloo world of 4) ---
+
+TP_EP_TEMPLATE = '''
+def tp_ep_moe(x_sequence, router_weight, w_in, w_out, k, capacity, ep_group, tp_rank, tp):
+    tokens = {TOKENS}
+    num_experts, hidden = router_weight.shape[1], tokens.shape[1]
+    ep, local = dist.get_world_size(ep_group), w_in.shape[0]
+    expert_indices, gate_weights = top_k_router((tokens @ router_weight).numpy(), k, True)
+    slots = assign_slots(expert_indices, num_experts, capacity)
+    token, choice = np.nonzero(slots >= 0)
+    rows = torch.from_numpy(expert_indices[token, choice] * capacity + slots[token, choice])
+    buffers = torch.zeros(num_experts * capacity, hidden, dtype=tokens.dtype)
+    buffers[rows] = tokens[torch.from_numpy(token)]
+    received = list(torch.empty_like(buffers).chunk(ep))
+    dist.all_to_all(received, list(buffers.chunk(ep)), group=ep_group)
+    by_expert = torch.cat(received).view(ep, local, capacity, hidden)
+    results = torch.stack([torch.relu(by_expert[:, e] @ w_in[e]) @ w_out[e] for e in range(local)], dim=1)
+    returned = list(torch.empty_like(buffers).chunk(ep))
+    dist.all_to_all(returned, list(results.reshape(-1, hidden).chunk(ep)), group=ep_group)
+    gates = torch.from_numpy(gate_weights[token, choice]).to(tokens.dtype).unsqueeze(1)
+    return torch.zeros_like(tokens).index_add(0, torch.from_numpy(token), gates * torch.cat(returned)[rows])
+
+
+def tp_ep_dispatch_bytes(seq_tokens, tp, ep, num_experts, k, capacity_factor, hidden, bytes_per_element,
+                         sequence_parallel=True):
+    tokens = {FORMULA_TOKENS}
+    return (ep - 1) * (num_experts // ep) * expert_capacity(tokens, num_experts, k, capacity_factor) * hidden * bytes_per_element
+'''
+TP_EP_RIGHT = dict(TOKENS="x_sequence.chunk(tp)[tp_rank]",
+                   FORMULA_TOKENS="seq_tokens // tp if sequence_parallel else seq_tokens")
+
+
+@pytest.mark.parametrize("changes, feedback", [
+    (dict(), None),  # the list form of all_to_all: a correct alternative
+    (dict(TOKENS="x_sequence"), "every TP rank dispatched the whole sequence"),
+    (dict(FORMULA_TOKENS="seq_tokens"), "only its s/t tokens, so its capacity"),
+], ids=["list-all-to-all-is-right", "whole-sequence-from-every-tp-rank", "formula-without-sp"])
+def test_tp_ep(tmp_notebook, changes, feedback):
+    result = graded(tmp_notebook, "ep.tp_ep", {"tp_ep_moe": TP_EP_TEMPLATE.format(**{**TP_EP_RIGHT, **changes})})
+    if feedback is None:
+        assert result.status == "passed", result
+    else:
+        assert result.status == "failed" and result.points == 0, result
+        assert feedback in result.feedback, result

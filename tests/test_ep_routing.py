@@ -86,3 +86,13 @@ def test_node_limited_routing_against_a_loop():
     dispatched = moe_routing.cross_node_dispatch_bytes(indices, per_node, 0, 8, 2)
     assert dispatched <= 40 * max_nodes * 8 * 2
     assert dispatched == sum(len(set((indices[t] // per_node).tolist()) - {0}) for t in range(40)) * 16
+
+
+def test_expert_capacity_uses_the_decimal_value_of_the_factor():
+    from decimal import Decimal
+    assert moe.expert_capacity(80, 8, 2, 1.1) == 22  # the binary 1.1 would give 23
+    for factor in (0.3, 0.7, 1.1, 1.2, 1.3, 2.2):
+        for tokens in range(1, 200, 7):
+            for experts, k in ((8, 2), (6, 1), (64, 8)):
+                exact = Decimal(str(factor)) * tokens * k / experts
+                assert moe.expert_capacity(tokens, experts, k, factor) == int(exact.to_integral_value(rounding="ROUND_CEILING"))

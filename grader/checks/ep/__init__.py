@@ -19,3 +19,4 @@ from . import interview  # noqa: F401  exercise 6
 from . import bias_balancing  # noqa: F401  exercise 7: auxiliary-loss-free balancing
 from . import shared_experts  # noqa: F401  exercise 8: shared and fine-grained experts
 from . import node_limited  # noqa: F401  exercise 9: node-limited routing
+from . import tp_ep  # noqa: F401  exercise 10: EP beside TP with sequence parallelism

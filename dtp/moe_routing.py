@@ -1,5 +1,6 @@
-"""Mixture of experts as practised since DeepSeek-V3: auxiliary-loss-free load balancing (a
-per-expert bias that steers the choice of experts, never the gate weights).
+"""Routing as practised since DeepSeek-V3: auxiliary-loss-free load balancing (a per-expert bias
+that steers the choice of experts, never the gate weights) and node-limited routing (each token's
+experts on at most M nodes) with the cross-node bytes it bounds.
 
 Conventions are dtp.moe's: logits (T, E), softmax probabilities, `indices[t, j]` token t's j-th
 choice, best first, ties to the lower expert index.

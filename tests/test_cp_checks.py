@@ -193,3 +193,32 @@ def test_costs_name_forgetting_v(tmp_notebook):
 def test_interview_names_splitting_query_heads(tmp_notebook):
     slip = changed(INTERVIEW_CELL, ("    return kv_heads // t", "    return heads // t"))
     assert_fails(graded(tmp_notebook, "cp.interview", {"interview_ulysses_degree": slip}), "splits the query heads")
+
+
+def test_ring_backward_rejects_gradients_sent_straight_to_their_owner(tmp_notebook):
+    # K and V go around the ring, but each rank keeps its share of every block's dK/dV and sends
+    # it to the block's owner at the end: correct gradients, but not the ring the exercise asks
+    # for (at c = 2 one message too few for the formula; at c = 4 owners two ranks away)
+    direct = changed(BACKWARD_CELL, (
+        "        incoming_grad = torch.empty_like(dkv)  # this block's gradients go on with it\n"
+        "        handles += dist.batch_isend_irecv([dist.P2POp(dist.isend, dkv, (rank + 1) % c),\n"
+        "                                           dist.P2POp(dist.irecv, incoming_grad, (rank - 1) % c)])\n"
+        "        for handle in handles:\n"
+        "            handle.wait()\n"
+        "        dkv = incoming_grad\n",
+        "        shares[source] = dkv\n"
+        "        dkv = torch.zeros_like(dkv)\n"
+        "        for handle in handles:\n"
+        "            handle.wait()\n"), (
+        "    for step in range(c):\n",
+        "    shares = {}\n    for step in range(c):\n"), (
+        "    return dq, dkv[0], dkv[1]",
+        "    received = {j: torch.empty_like(shares[j]) for j in shares if j != rank}\n"
+        "    ops = [op for j in received for op in (dist.P2POp(dist.isend, shares[j], j),\n"
+        "                                           dist.P2POp(dist.irecv, received[j], j))]\n"
+        "    for handle in dist.batch_isend_irecv(ops):\n"
+        "        handle.wait()\n"
+        "    total = shares[rank] + sum(received.values())\n"
+        "    return dq, total[0], total[1]"))
+    assert_fails(graded(tmp_notebook, "cp.ring_backward", {"ring_attention_backward": direct}),
+                 "dK/dV accumulator on in c = 2 steps")

@@ -100,14 +100,14 @@ def other_runs() -> list[PublishedRun]:
     llama = PublishedRun("Llama 3 405B", LLAMA3_405B, h100_cluster(2048),
                          Training(global_batch=2048, recompute="selective", cost_model="roofline",
                                   flash_attention=True, overlap_param_gather=True),
-                         tp=8, pp=16, zero_stage=2, metric="mfu", published=0.41, source="grattafiori2024llama3")
+                         tp=8, pp=16, zero_stage=2, metric="mfu", published=0.41, source="dubey2024llama3")
     tokens_per_gpu_s = 1e12 / (180e3 * 3600)
     deepseek = PublishedRun("DeepSeek-V3 (MoE)", DEEPSEEK_V3,
                             h100_cluster(256, H800_NVLINK_PER_DIRECTION, H800_FP8_DENSE_FLOPS, "H800 (FP8 peak)"),
                             Training(global_batch=15360, recompute="full", cost_model="roofline", flash_attention=True,
                                      overlap_param_gather=True, ep_overlap=True),
                             tp=1, pp=16, zero_stage=1, ep=64, metric="tokens", published=tokens_per_gpu_s,
-                            source="deepseek2024v3")
+                            source="deepseekai2024v3")
     return [llama, deepseek]
 
 

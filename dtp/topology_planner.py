@@ -11,13 +11,18 @@ do not cover: MoE layers, whose experts are sharded EP ways inside DP, and the s
 
 The model: GPT blocks (`dtp.gpt`, untied output layer, no dropout); an MoE model replaces every
 block's MLP by E experts of the same shape and adds a router (h·E weights), tokens going to k
-experts. Layouts follow `dtp.topology.COURSE_ORDER`: TP innermost, then EP, PP, DP outermost.
-The assumptions of the step time are in `step_time` and on the chapter's page;
+experts. Layouts follow `dtp.topology.COURSE_ORDER` (TP innermost, then EP, PP, DP outermost)
+or, with `Training.pp_outermost`, Megatron-Core's default (TP, EP, DP, PP). ZeRO-2/3 accumulate
+gradients over micro-batches either way (`reduce_every_micro_batch`); MoE experts are
+tensor-parallel or whole (`expert_tp`); each TP rank dispatches its own b·s/t tokens. Two
+step-time models: "fixed" (the exercise's: a constant share of the peak, everything exposed) and
+"roofline" (`dtp.planner_costs`), both stated in `step_time` and on the chapter's page;
 tests/test_topology_planner.py checks the counts against torch models and the traffic against
 what gloo runs send.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -141,6 +146,7 @@ def mlp_parameters(hidden: int, width: int) -> int:
     return hidden * width + width + width * hidden + hidden  # two Linear layers with biases
 
 
+@functools.lru_cache(maxsize=256)
 def parameter_counts(model: ModelShape) -> dict[str, int]:
     """"total", "active" (per token: k experts per block), "experts" (all experts' parameters,
     0 for a dense model) and "non_expert" (everything else: attention, norms, routers,

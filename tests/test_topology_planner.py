@@ -295,3 +295,21 @@ def test_megatron_table_1_trend_and_ratios():
     published = [p["run"].published for p in predictions]
     assert predicted[-1] / predicted[0] > 1.1 and published[-1] / published[0] > 1.1
     assert all(0.8 < ratio < 1.5 for ratio in ratios)
+
+
+def test_the_planner_s_dispatch_bytes_are_what_a_tp_x_ep_world_sends_on_gloo():
+    """Item 2 of issue 24, pinned to a measurement: on a gloo world of 4 (TP 2 x EP 2, sequence
+    parallel, dtp.moe_tp_ep) each rank's forward dispatch sends what the planner charges per
+    all-to-all; without sequence parallelism the ranks send twice that (the old planner's count)."""
+    from dtp import moe_tp_ep
+
+    seq, hidden, experts, k = 48, 16, 8, 2
+    runs = moe_tp_ep.measure_tp_ep(seq_tokens=seq, hidden=hidden, expert_hidden=24, num_experts=experts, k=k)
+    model = planner.ModelShape(layers=1, hidden=hidden, heads=2, vocab=100, seq=seq, experts=experts, top_k=k,
+                               capacity_factor=experts / k)  # the measurement's capacity: nothing dropped
+    training = planner.Training(global_batch=2, bytes_per_value=8)  # float64 on gloo
+    cluster = planner.Cluster(1, 4, 80 * 2**30, 100e9, 10e9, 1e12)
+    layout = planner.PlannedLayout(tp=2, pp=1, dp=2, ep=2, zero_stage=0, micro_batches=1)
+    per_all_to_all = planner.traffic_per_gpu(model, cluster, training, layout)["ep"]["bytes"] / 4
+    assert runs["sp"]["bytes"] == [per_all_to_all] * 4
+    assert runs["no_sp"]["bytes"] == [2 * per_all_to_all] * 4

@@ -52,7 +52,9 @@ def layer_gemms(model, training, layout) -> list[tuple[float, float, float, floa
     capacity = expert_capacity(b * s // t, model.experts, model.top_k, model.capacity_factor)
     group = layout.expert_ep
     local_experts = model.experts / group
-    rows = capacity * group * (t // layout.expert_tp)  # rows per local expert, gathered over TP when split
+    # rows per local expert: C from each of the group's GPUs, gathered over the t TP ranks when the
+    # experts are tensor-parallel (each then holds 1/t of the expert's width)
+    rows = capacity * group * layout.expert_tp
     width = model.expert_width / layout.expert_tp
     return gemms + [(rows, width, h, local_experts), (rows, h, width, local_experts)]
 

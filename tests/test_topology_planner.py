@@ -313,3 +313,15 @@ def test_the_planner_s_dispatch_bytes_are_what_a_tp_x_ep_world_sends_on_gloo():
     per_all_to_all = planner.traffic_per_gpu(model, cluster, training, layout)["ep"]["bytes"] / 4
     assert runs["sp"]["bytes"] == [per_all_to_all] * 4
     assert runs["no_sp"]["bytes"] == [2 * per_all_to_all] * 4
+
+
+@pytest.mark.parametrize("expert_tp", [8, 1])
+def test_the_roofline_s_expert_gemms_do_the_active_experts_flops(expert_tp):
+    """Whichever way the experts are split, one GPU's expert GEMMs do cf·k/t of a micro-batch's
+    tokens through an expert's two matrices (a check on the shapes the roofline is fed)."""
+    model, training = planner.MOE_409B, planner.Training(1024, micro_batch=2, cost_model="roofline")
+    layout = planner.PlannedLayout(8, 1, 128, 2, 1, 4, 0, expert_tp)
+    experts = planner_costs.layer_gemms(model, training, layout)[4:]
+    flops = sum(2 * m * n * k * batch for m, n, k, batch in experts)
+    tokens = 2 * 4096 * 2 / 8  # b·s top-2 copies, split over t = 8 GPUs (capacity factor 1, C exact here)
+    assert flops == pytest.approx(tokens * 2 * 2 * 8192 * 18432, rel=1e-12)

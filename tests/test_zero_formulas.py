@@ -185,7 +185,10 @@ def test_measured_runs_hold_and_send_what_the_formulas_say(course, n):
                 assert run["held"][step]["other"] == 0
             sent = sum(zero.ring_bytes_sent(e["op"], e["bytes"], n) for e in run["events"][-1]
                        if e["op"] in ("all_gather", "reduce_scatter", "all_reduce"))
-            assert sent == pytest.approx(zero.sent_bytes_per_rank(units, n, stage))
+            # ZeRO-3 gathers a unit again only when backward needs its weights: the first layer's
+            # input needs no gradient, so autograd saves none of them and it is not gathered again.
+            skipped = (n - 1) * zero.shard_numel(layer_sizes[0], n) * zero.FP32_ITEMSIZE if stage == 3 else 0
+            assert sent == pytest.approx(zero.sent_bytes_per_rank(units, n, stage) - skipped)
             assert np.allclose(run["losses"], [losses[rank] for losses in reference["losses"]], rtol=1e-5)
             if stage == 3:
                 assert all(record["after backward"] == record["after step"] == 0 for record in run["full weights"])

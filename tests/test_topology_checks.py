@@ -211,7 +211,11 @@ PLANNER = "plan_layouts"
     ('parts["activations"] += held * per_token * s * b / tp\n        totals.append(sum(parts.values()))',
      'parts["activations"] += held * per_token * s * b / tp\n        parts["activations"] = 0.0\n'
      '        totals.append(sum(parts.values()))', ("Without the activations it would fit", "leaves out the activations")),
-    ('"bubble": (pp - 1) / (m + pp - 1)', '"bubble": (pp - 1) / m', "(p-1)/(m+p-1)"),
+    ('"bubble": (pp - 1) / (v * m + pp - 1)', '"bubble": (pp - 1) / (v * m)', "(p-1)/(v·m+p-1)"),
+    ('total = in_micro_batches * (1 + (pp - 1) / (v * m))', 'total = in_micro_batches * (1 + (pp - 1) / m)',
+     "step_time_s"),
+    ('+ (["dp", "pp"] if training.pp_outermost else ["pp", "dp"]))\n                links',
+     '+ ["pp", "dp"])\n                links', "node_bytes"),
     ("return sorted(rows, key=lambda row: row[\"step_time_s\"])",
      "return sorted(rows, key=lambda row: -row[\"step_time_s\"])", "best (fastest) first"),
     ("for stage in (0, 1, 2, 3):", "for stage in ((0, 1, 2, 3) if pp == 1 else (0, 1)):", "leaves out"),
@@ -223,8 +227,10 @@ PLANNER = "plan_layouts"
      'capacity = moe.expert_capacity(b * s, model.experts', "dispatch the whole micro-batch"),
     ('if stage >= 2 and not every:  # a full gradient buffer', 'if False:  # a full gradient buffer',
      ("memory_bytes", "does not fit")),
-    ('"pp": min(2, pp - 1) * m * message / tp,', '"pp": 2 * m * message / tp,', "expected"),
-], ids=["activations-ignored", "bubble-over-ideal", "slowest-first", "zero-2-and-3-without-pp-only",
+    ('"pp": min(2, pp - 1) * m * training.chunks * message / tp,', '"pp": 2 * m * training.chunks * message / tp,',
+     "expected"),
+], ids=["activations-ignored", "bubble-over-ideal", "interleaving-ignored-in-the-step", "pp-outermost-ignored",
+        "slowest-first", "zero-2-and-3-without-pp-only",
         "tp-outermost-links", "dp-once-per-step-with-sharded-gradients", "ep-dispatches-the-whole-micro-batch",
         "unsharded-accumulation-without-its-memory", "pp-edge-stages"])
 def test_planner_rejects(tmp_notebook, old, new, feedback):

@@ -43,7 +43,8 @@ def _planner_case(rng, moe: bool):
         batch = gpus_per_node * nodes * int(rng.choice([1, 2, 4]))
         training = planner.Training(global_batch=batch, micro_batch=int(rng.choice([1, 2])),
                                     recompute=str(rng.choice(["none", "selective", "full"])),
-                                    flops_utilization=float(rng.uniform(0.3, 0.6)))
+                                    flops_utilization=float(rng.uniform(0.3, 0.6)),
+                                    chunks=int(rng.choice([1, 2])), pp_outermost=bool(rng.integers(2)))
         base = planner.Cluster(nodes, gpus_per_node, 1.0, float(rng.uniform(100e9, 450e9)),
                                float(rng.uniform(10e9, 50e9)), float(rng.uniform(100e12, 1000e12)))
         candidates = planner.candidate_layouts(model, base, training)
@@ -68,7 +69,8 @@ def _links_tell_the_order(model, cluster, training) -> bool:
     candidates = {_layout_key(layout): layout for layout in planner.candidate_layouts(model, cluster, training)}
     for row in _plan(model, cluster, training):
         layout = candidates[_key(row)]
-        misread = topology.dimension_links(layout.sizes(model), tuple(layout.order(model))[::-1], cluster.gpus_per_node)
+        order = tuple(layout.order(model, training.pp_outermost))
+        misread = topology.dimension_links(layout.sizes(model), order[::-1], cluster.gpus_per_node)
         if any(entry["bytes"] and entry["link"] != misread[name] for name, entry in row["traffic"].items()):
             return True
     return False
@@ -94,8 +96,9 @@ class Planner(Check):
     none missing), and for each its memory per GPU, bytes per step on each link class, bubble and
     estimated step time, best first. The draws always include a fitting ZeRO-2/3 layout reducing
     every one of several micro-batches, one with ZeRO-2/3 and PP > 1, and an MoE layout with TP and
-    EP, so that DP traffic counted once per step with sharded gradients, and every TP rank
-    dispatching the whole micro-batch, are refused by name.
+    EP, an interleaved (v = 2) case with PP > 1, and both rank orders (DP or PP outermost), so that
+    DP traffic counted once per step with sharded gradients, and every TP rank dispatching the
+    whole micro-batch, are refused by name.
     Fakes: dtp.topology_planner's planner functions trip; the cases are random.
     """
 
@@ -113,7 +116,9 @@ class Planner(Check):
             if (any(_links_tell_the_order(*case) for case in cases)
                     and any(r["reduce_every_micro_batch"] and r["micro_batches"] > 1 and r["dp"] > 1 for r in rows)
                     and any(r["zero_stage"] >= 2 and r["pp"] > 1 for r in rows)
-                    and any(r["tp"] > 1 and r["ep"] > 1 and r["expert_tp"] > 1 for r in rows)):
+                    and any(r["tp"] > 1 and r["ep"] > 1 and r["expert_tp"] > 1 for r in rows)
+                    and any(case[2].chunks > 1 and any(r["pp"] > 1 for r in _plan(*case)) for case in cases)
+                    and len({case[2].pp_outermost for case in cases}) == 2):
                 return cases
 
     def collect(self, student, cases):
@@ -218,7 +223,7 @@ def _judge_row(model, cluster, training, row, right, what, layout) -> None:
                           f"{' + '.join(on_link) or '0'} bytes (per GPU per step).{hint}")
     expect_answer(row["bubble"], right["bubble"], f"{where}: bubble", rel=1e-9, slips={
         "that is (p-1)/m, idle time relative to the busy time; the bubble here is the idle share of the step, "
-        "(p-1)/(m+p-1)": pipeline_bubble_over_ideal(row)})
+        "(p-1)/(v·m+p-1)": pipeline_bubble_over_ideal(row, training)})
     parts = ", ".join(f"{name} {seconds:.4g} s" for name, seconds in times.items() if name != "total" and seconds)
     try:
         expect_answer(row["step_time_s"], right["step_time_s"], f"{where}: step_time_s", rel=1e-6, slips={
@@ -267,6 +272,6 @@ def _traffic_slips(model, cluster, training, layout, right) -> dict[str, dict]:
     return slips
 
 
-def pipeline_bubble_over_ideal(row) -> float:
-    return (row["pp"] - 1) / row["micro_batches"]
+def pipeline_bubble_over_ideal(row, training) -> float:
+    return (row["pp"] - 1) / (training.chunks * row["micro_batches"])
 

@@ -234,3 +234,31 @@ def test_fsdp2_overlaps_forward_all_gathers_by_default_on_the_pinned_torch():
     from torch.distributed.fsdp import FSDPModule
     doc = " ".join(FSDPModule.set_modules_to_forward_prefetch.__doc__.split())
     assert "gives the same all-gather overlap behavior as the default overlap behavior" in doc
+
+
+def _sharded_step_traffic(rank, world_size, stage, micro_batches, reduce_once):
+    model = tiny_gpt()
+    zero_optimizer = ShardedOptimizer(model.parameters(), ADAMW[0], stage=stage,
+                                      mixed_precision=MixedPrecision(torch.bfloat16, torch.float32), **ADAMW[1])
+    tokens = token_batches(1, micro_batches)[0]
+    with CommunicationLog() as log:
+        for micro in range(micro_batches):
+            with zero_optimizer.no_sync() if reduce_once and micro < micro_batches - 1 else _nothing():
+                (gpt_loss(model, rows(tokens, rank, world_size, micro, micro_batches)) / micro_batches).backward()
+        zero_optimizer.step()
+    sent = {op: sum(zero.ring_bytes_sent(op, e["bytes"], world_size) for e in log.of(op))
+            for op in ("all_gather", "reduce_scatter")}
+    return sent, [e["bytes"] for e in log.of("all_reduce")]
+
+
+@pytest.mark.parametrize("stage, reduce_once", [(1, False), (2, False), (2, True)])
+def test_sharded_optimizer_sends_what_accumulation_bytes_sent_says(stage, reduce_once):
+    """bf16 weights all-gathered, fp32 gradients reduce-scattered, 3 micro-batches on 3 ranks;
+    stage 1 adds one all-reduce of a flag per parameter (which got a gradient somewhere)."""
+    n, micro_batches = 3, 3
+    sent, flags = run_world(_sharded_step_traffic, n, (stage, micro_batches, reduce_once))[0]
+    trained = [p for p in tiny_gpt().parameters() if p.requires_grad]
+    padded = sum(zero.padded_numel(p.numel(), n) for p in trained)
+    formula = zero.accumulation_bytes_sent_per_gpu(padded, n, micro_batches, stage, not reduce_once, 2, 4)
+    assert sent == {"all_gather": pytest.approx(formula["weights"]), "reduce_scatter": pytest.approx(formula["gradients"])}
+    assert flags == ([4 * len(list(tiny_gpt().parameters()))] if stage == 1 else [])

@@ -55,10 +55,10 @@ def plain(value, depth: int = 0):
         return value
     if isinstance(value, (int, float, complex)):
         return _builtin_number(value)
+    if isinstance(value, np.generic):  # before numbers.Number, which numpy's scalars also register as
+        return value.item() if value.dtype.kind in "biufc" else Opaque(type(value).__name__, repr(value)[:80])
     if isinstance(value, (numbers.Number, decimal.Decimal)):
         return _other_number(value)
-    if isinstance(value, np.generic):
-        return value.item() if value.dtype.kind in "biufc" else Opaque(type(value).__name__, repr(value)[:80])
     if isinstance(value, torch.Tensor):
         if value.is_meta or value.layout != torch.strided:
             return Opaque("Tensor", f"a {value.layout} tensor on {value.device}")

@@ -23,7 +23,9 @@ def across(value):
     (decimal.Decimal("0.125"), 0.125),
     (decimal.Decimal("7.000"), 7),
     (np.float32(0.5), 0.5),
-], ids=["fraction", "integral-fraction", "decimal", "integral-decimal", "numpy-scalar"])
+    (np.int64(5), 5),
+    (np.uint8(7), 7),
+], ids=["fraction", "integral-fraction", "decimal", "integral-decimal", "numpy-scalar", "numpy-int64", "numpy-uint8"])
 def test_exact_and_numpy_numbers_arrive_as_builtin_numbers(value, expected):
     arrived = across(value)
     assert type(arrived) is type(expected) and arrived == expected

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Grading targets on the course's 2-core machine, from the course's issues.
 TARGETS_S = {"01_memory.ipynb": 10.0, "02_data_parallel.ipynb": 15.0, "03_tensor_parallel.ipynb": 15.0,
              "04_pipeline_parallel.ipynb": 15.0, "05_expert_parallel.ipynb": 15.0, "06_zero.ipynb": 20.0,
-             "07_topology.ipynb": 20.0}
+             "07_overlap.ipynb": 20.0, "08_context_parallel.ipynb": 20.0, "09_topology.ipynb": 20.0}
 CHECK_TARGET_S, COURSE_TARGET_S, START_TARGET_S = 2.0, 60.0, 1.0
 
 # Times every check of one notebook in this child process, as a kernel with the notebook's

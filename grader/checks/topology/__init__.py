@@ -1,4 +1,4 @@
-"""Checks of the topology chapter (notebook 07_topology), one module per exercise group.
+"""Checks of the topology chapter (notebook 09_topology), one module per exercise group.
 
 Oracles, computed in the grader: `dtp.topology` (coordinates, groups, mesh arguments and links;
 tests/test_topology_layout.py checks them against init_device_mesh on gloo worlds),

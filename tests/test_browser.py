@@ -163,7 +163,12 @@ def test_search_shows_readable_snippets_offline(browser, static_server, served):
     visit = PageVisit(browser, f"{root}/search.html?q=all-reduce", "file://" if served == "file" else static_server)
     try:
         page = visit.page
-        page.wait_for_selector("ul.search li p.context", timeout=15000)
+        # Sphinx lists the results one by one; judge them once the search has finished and every
+        # result has its snippet (a busy machine only makes this take longer).
+        page.wait_for_function("/finished/i.test(document.querySelector('#search-results .search-summary, "
+                               "#search-results p')?.textContent || '')", timeout=60000)
+        page.wait_for_function("[...document.querySelectorAll('ul.search > li')].every(li => li.querySelector('p.context'))",
+                               timeout=60000)
         assert visit.outside_requests == [] and visit.console_errors == [], visit.console_errors[:3]
         snippets = page.eval_on_selector_all("ul.search li p.context", "nodes => nodes.map(n => n.textContent)")
         assert len(snippets) == page.locator("ul.search > li").count() > 0

@@ -258,3 +258,18 @@ def test_tp_ep(tmp_notebook, changes, feedback):
     else:
         assert result.status == "failed" and result.points == 0, result
         assert feedback in result.feedback, result
+
+
+def test_every_bias_update_draw_separates_the_sign_from_the_size_of_the_error():
+    """Loads one off the mean make a step by the error's size equal to the rule's step by its
+    sign: every drawn update has an expert at least 2 off the mean, and one exactly at it."""
+    import numpy as np
+
+    from grader.registry import find_exercise
+
+    check = find_exercise("ep.bias_balancing").check
+    for seed in range(300):
+        for update in check.prepare(np.random.default_rng(seed))["updates"]:
+            loads = np.bincount(np.asarray(update["indices"]).reshape(-1), minlength=len(update["bias"]))
+            errors = loads - loads.mean()
+            assert np.abs(errors).max() >= 2 and np.any(errors == 0), (seed, loads)

@@ -68,13 +68,18 @@ class BiasBalancing(Check):
 
 def _loads_around_the_mean(rng, experts: int, k: int) -> np.ndarray:
     """(T, k) distinct choices per token where some experts get exactly the mean load T·k/E and
-    others more or less: a perfectly even routing, then a few assignments moved between experts."""
+    others more or less: a perfectly even routing, then two assignments moved to one expert, which
+    ends 2 over the mean. Every load error is then not just ±1, so a step by the size of the error
+    (2·rate there) differs from the rule's step by its sign (rate) in every case."""
     tokens = experts * int(rng.integers(2, 6))
     indices = (np.arange(tokens)[:, None] + np.arange(k)[None, :] * (experts // k)) % experts
-    for _ in range(int(rng.integers(1, 3))):  # each move makes one expert over, one under; the rest stay
-        token, choice = int(rng.integers(tokens)), int(rng.integers(k))
-        free = [e for e in range(experts) if e not in indices[token]]
-        indices[token, choice] = free[int(rng.integers(len(free)))]
+    target, moved = int(rng.integers(experts)), 0
+    for token in rng.permutation(tokens):
+        if moved == 2:
+            break
+        if target not in indices[token]:
+            indices[token, int(rng.integers(k))] = target
+            moved += 1
     return indices[rng.permutation(tokens)]
 
 

@@ -222,6 +222,12 @@ def test_links_accept_other_correct_answers(tmp_notebook, source):
 PLANNER = "plan_layouts"
 
 
+# Known defect, left open (issue 24): the planner check's draws do not separate these two slips in
+# every grading (seen passing about 1 grading in 3 on this machine). Where the check wrongly passes
+# one, the test says so as an expected failure instead of failing CI at random.
+DRAW_DEPENDENT_SLIPS = {"pp-outermost-ignored", "dp-once-per-step-with-sharded-gradients"}
+
+
 @pytest.mark.parametrize("old, new, feedback", [
     ('parts["activations"] += held * per_token * s * b / tp\n        totals.append(sum(parts.values()))',
      'parts["activations"] += held * per_token * s * b / tp\n        parts["activations"] = 0.0\n'
@@ -248,12 +254,6 @@ PLANNER = "plan_layouts"
         "slowest-first", "zero-2-and-3-without-pp-only",
         "tp-outermost-links", "dp-once-per-step-with-sharded-gradients", "ep-dispatches-the-whole-micro-batch",
         "unsharded-accumulation-without-its-memory", "pp-edge-stages"])
-# Known defect, left open (issue 24): the planner check's draws do not separate these two slips in
-# every grading (seen passing about 1 grading in 3 on this machine). Where the check wrongly passes
-# one, the test says so as an expected failure instead of failing CI at random.
-DRAW_DEPENDENT_SLIPS = {"pp-outermost-ignored", "dp-once-per-step-with-sharded-gradients"}
-
-
 def test_planner_rejects(tmp_notebook, request, old, new, feedback):
     source = variant(PLANNER, old, new)
     result = graded(tmp_notebook, "topology.planner", {PLANNER: source})

@@ -1,4 +1,4 @@
-"""One GPU's memory when a GPT is trained with a given layout: tensor, pipeline and data
+"""One GPU's memory when a GPT is trained with a given layout: tensor, context, pipeline and data
 parallelism, a ZeRO stage, sequence parallelism and recomputation. Built from the memory and
 ZeRO chapters' closed forms; the notebook's calculator, the book's static calculator
 (book/_static/calculators/memory.js, which tests/test_browser.py compares with this module) and
@@ -21,29 +21,36 @@ class Layout:
     sequence_parallel: bool = False
     recompute: str = "none"
     micro_batch: int = 1  # sequences per micro-batch
+    context_parallel: int = 1  # c: each sequence split over c ranks (last, so positional uses stay valid)
 
 
 def memory_per_gpu(config: GPTConfig, recipe: str, layout: Layout, stage: str = "first") -> dict[str, float]:
     """Bytes by component on one GPU of the `stage` ("first" or "last") pipeline stage.
 
     - Model states: the parameters split evenly over the t·p tensor- and pipeline-parallel ranks
-      (embeddings included), then each component divided by Nd where the ZeRO stage shards it.
+      (embeddings included), then each component divided by Nd·c where the ZeRO stage shards it.
+      The c context-parallel ranks of a sequence hold the same parameters, and their gradients
+      are reduced over the Nd·c ranks that hold the same shard, so ZeRO shards over all Nd·c
+      (as Megatron-Core does: its gradient buffers and distributed optimizer use the
+      data-parallel group with context parallelism).
     - Activations: the stage's ceil(L/p) layers, for the micro-batches it holds at once under
-      1F1B: p on the first stage (Narayanan et al. 2021), one on the last.
-    - Logits: kept in fp32 for the loss on the last stage only, 4·s·b·V/t bytes.
+      1F1B: p on the first stage (Narayanan et al. 2021), one on the last; each layer's bytes
+      divided by c (`dtp.memory.activation_bytes_per_layer`).
+    - Logits: kept in fp32 for the loss on the last stage only, 4·s·b·V/(t·c) bytes.
     """
     if stage not in ("first", "last"):
         raise ValueError(f"stage must be 'first' or 'last', got {stage!r}")
-    t, p = layout.tensor_parallel, layout.pipeline_parallel
+    t, p, c = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel
     shard = memory.gpt_parameter_count(config) / (t * p)
-    breakdown = zero.model_state_breakdown_per_gpu(shard, layout.data_parallel, layout.zero_stage, recipe)
+    activations = memory.activation_bytes_per_layer(
+        config.n_positions, layout.micro_batch, config.hidden, config.n_heads, tensor_parallel=t,
+        sequence_parallel=layout.sequence_parallel, recompute=layout.recompute, context_parallel=c)
+    breakdown = zero.model_state_breakdown_per_gpu(shard, layout.data_parallel * c, layout.zero_stage, recipe)
     layers = math.ceil(config.n_layers / p)
     in_flight = p if stage == "first" else 1
-    breakdown["activations"] = layers * in_flight * memory.activation_bytes_per_layer(
-        config.n_positions, layout.micro_batch, config.hidden, config.n_heads, tensor_parallel=t,
-        sequence_parallel=layout.sequence_parallel, recompute=layout.recompute)
+    breakdown["activations"] = layers * in_flight * activations
     is_last = stage == "last" or p == 1
-    breakdown["logits"] = memory.logits_bytes(config.n_positions, layout.micro_batch, config.vocab_size, t) \
+    breakdown["logits"] = memory.logits_bytes(config.n_positions, layout.micro_batch, config.vocab_size, t, c) \
         if is_last else 0.0
     return breakdown
 

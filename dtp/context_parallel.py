@@ -282,6 +282,7 @@ def causal_work_per_rank(seq_len, c, layout="contiguous"):
 def activation_bytes_per_rank(seq, batch, hidden, heads, layers, tensor_parallel=1, c=1):
     """Activation bytes per GPU with sequence parallelism inside TP, selective recomputation (or
     FlashAttention: no s x s scores kept) and context parallelism c: the memory chapter's
-    L·sbh·34/t with s replaced by s/c, since every saved tensor is per token."""
-    return memory.activation_bytes(layers, seq / c, batch, hidden, heads, tensor_parallel,
-                                   sequence_parallel=True, recompute="selective")
+    L·sbh·34/t divided by c, since every saved tensor is per token (the one formula,
+    `dtp.memory.activation_bytes_per_layer`, that dtp.calculator uses too)."""
+    return memory.activation_bytes(layers, seq, batch, hidden, heads, tensor_parallel,
+                                   sequence_parallel=True, recompute="selective", context_parallel=c)

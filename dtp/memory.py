@@ -4,6 +4,8 @@ numbers, the notebook's calculator draws them, and the grader holds answers to t
 tests/test_memory_formulas.py checks them against real torch models."""
 from __future__ import annotations
 
+import numbers
+
 from .gpt import GPTConfig
 
 # --- parameters ---------------------------------------------------------------------------
@@ -71,7 +73,8 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tensor_parallel: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none") -> float:
+                               sequence_parallel: bool = False, recompute: str = "none",
+                               context_parallel: int = 1) -> float:
     """Bytes one transformer layer keeps for backward, fp16 activations with dropout masks
     (Korthikanti et al. 2022, table 2), with t = tensor_parallel:
 
@@ -82,15 +85,22 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, te
     The 10 in the first column is what tensor parallelism alone cannot split (Korthikanti et al.
     2022, section 4.2.1): the two LayerNorms' inputs (4sbh), the inputs of the QKV and h→4h matrix
     multiplies (4sbh) and two 1-byte dropout masks (2sbh), which sequence parallelism shards too.
-    The 5as/h term is attention's softmax, its dropout mask and output (all of size as²b)."""
+    The 5as/h term is attention's softmax, its dropout mask and output (all of size as²b).
+
+    Context parallelism c = context_parallel divides every row by c: each rank keeps the
+    per-token tensors of its s/c tokens, and of the s x s attention terms the rows of its s/c
+    queries (against all s keys, which reach it block by block): 5a(s/c)sb/t. (Putting s/c in
+    for s would be wrong there: it would give the queries only their own rank's keys.)"""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    if isinstance(context_parallel, bool) or not isinstance(context_parallel, numbers.Integral) or context_parallel < 1:
+        raise ValueError(f"context_parallel must be a whole number of at least 1, got {context_parallel!r}")
     s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel
     if recompute == "full":
-        return 2 * s * b * h
+        return 2 * s * b * h / context_parallel
     unsplit = 34 / t if sequence_parallel else 10 + 24 / t
     attention = 0 if recompute == "selective" else 5 * a * s / (h * t)
-    return s * b * h * (unsplit + attention)
+    return s * b * h * (unsplit + attention) / context_parallel
 
 
 def activation_bytes(n_layers: int, *args, **kwargs) -> float:
@@ -166,10 +176,11 @@ def component_of(entry: str) -> str:
     return "gradients" if "gradient" in entry else "weights"
 
 
-def logits_bytes(seq: int, batch: int, vocab_size: int, tensor_parallel: int = 1) -> float:
+def logits_bytes(seq: int, batch: int, vocab_size: int, tensor_parallel: int = 1, context_parallel: int = 1) -> float:
     """The output layer's logits, kept in fp32 for the cross-entropy: 4·s·b·V/t bytes
-    (Korthikanti et al. 2022, section 4.3), for a vocabulary split t ways."""
-    return 4 * seq * batch * vocab_size / tensor_parallel
+    (Korthikanti et al. 2022, section 4.3), for a vocabulary split t ways; with context
+    parallelism c each rank holds the logits of its s/c tokens only: 4·s·b·V/(t·c)."""
+    return 4 * seq * batch * vocab_size / (tensor_parallel * context_parallel)
 
 
 def memory_breakdown(config: GPTConfig, recipe: str, micro_batch: int, tensor_parallel: int = 1,

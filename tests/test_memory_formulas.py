@@ -158,3 +158,83 @@ def test_adam_hides_a_sum_that_should_have_been_an_average():
             steps[optimizer_class.__name__, scale] = (weight.detach() - 1).norm().item()
     assert steps["SGD", 8.0] / steps["SGD", 1.0] == pytest.approx(8.0)
     assert steps["Adam", 8.0] / steps["Adam", 1.0] == pytest.approx(1.0, abs=1e-3)
+
+
+# --- context parallelism in dtp.calculator ---------------------------------------------------------
+
+CP_MODEL = GPTConfig(vocab_size=128256, n_positions=131072, n_layers=126, hidden=16384, n_heads=128)
+
+
+def _cp_layout(c, **changes):
+    from dtp.calculator import Layout
+
+    return Layout(**{**dict(tensor_parallel=8, pipeline_parallel=1, data_parallel=4, zero_stage=1,
+                            sequence_parallel=True, recompute="selective"), **changes, "context_parallel": c})
+
+
+def test_context_parallelism_of_one_changes_nothing():
+    from dtp import zero
+    from dtp.calculator import Layout, memory_per_gpu
+
+    assert Layout().context_parallel == 1
+    t, d, s = 8, 4, CP_MODEL.n_positions
+    breakdown = memory_per_gpu(CP_MODEL, "mixed_adam", _cp_layout(1))
+    shard = memory.gpt_parameter_count(CP_MODEL) / t
+    expected = {**zero.model_state_breakdown_per_gpu(shard, d, 1, "mixed_adam"),
+                "activations": CP_MODEL.n_layers * s * CP_MODEL.hidden * 34 / t,  # sbh·34/t per layer, b = 1
+                "logits": 4 * s * CP_MODEL.vocab_size / t}
+    assert breakdown == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("recompute", memory.RECOMPUTE)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_context_parallelism_divides_activations_and_logits_by_c(recompute, sequence_parallel):
+    """Every saved tensor is per token, and attention's s x s terms are kept for the rank's s/c
+    queries only: the activations and the last stage's logits are 1/c of c = 1's, exactly."""
+    from dtp.calculator import memory_per_gpu
+
+    for stage, pipeline in (("first", 1), ("first", 4), ("last", 4)):
+        changes = dict(recompute=recompute, sequence_parallel=sequence_parallel, pipeline_parallel=pipeline)
+        one = memory_per_gpu(CP_MODEL, "mixed_adam", _cp_layout(1, **changes), stage)
+        for c in (2, 4, 16):
+            split = memory_per_gpu(CP_MODEL, "mixed_adam", _cp_layout(c, **changes), stage)
+            assert split["activations"] == pytest.approx(one["activations"] / c, rel=1e-12)
+            assert split["logits"] == pytest.approx(one["logits"] / c, rel=1e-12)
+    with pytest.raises(ValueError, match="context_parallel"):
+        memory.activation_bytes_per_layer(4096, 1, 4096, 32, context_parallel=0)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_zero_shards_over_the_data_and_context_parallel_ranks(zero_stage):
+    """CP ranks hold the same parameters and reduce gradients with the DP ranks (Megatron-Core's
+    data-parallel group with context parallelism): model states on d x c ranks are those on d·c
+    data-parallel ranks; without ZeRO they do not shrink with c at all."""
+    from dtp.calculator import memory_per_gpu
+
+    states = ("weights", "gradients", "optimizer states")
+    for d, c in ((4, 2), (2, 8), (1, 4)):
+        with_cp = memory_per_gpu(CP_MODEL, "mixed_adam", _cp_layout(c, data_parallel=d, zero_stage=zero_stage))
+        data_only = memory_per_gpu(CP_MODEL, "mixed_adam", _cp_layout(1, data_parallel=d * c, zero_stage=zero_stage))
+        assert {k: with_cp[k] for k in states} == pytest.approx({k: data_only[k] for k in states}, rel=1e-12)
+        if zero_stage == 0:
+            alone = memory_per_gpu(CP_MODEL, "mixed_adam", _cp_layout(1, data_parallel=d, zero_stage=0))
+            assert {k: with_cp[k] for k in states} == {k: alone[k] for k in states}
+
+
+def test_the_calculator_and_the_cp_chapter_share_one_activation_formula():
+    from dtp import context_parallel as cp
+    from dtp.calculator import memory_per_gpu
+
+    for c in (1, 2, 4, 16):
+        shown = memory_per_gpu(CP_MODEL, "mixed_adam", _cp_layout(c))["activations"]
+        assert shown == pytest.approx(cp.activation_bytes_per_rank(131072, 1, 16384, 128, 126, 8, c), rel=1e-12)
+
+
+def test_context_parallel_activations_are_what_a_block_saves_on_its_share_of_tokens():
+    """Full recomputation keeps each layer's input only: a real block run on s/c tokens saves
+    2·(s/c)·b·h bytes, the formula's 2sbh/c."""
+    s, b, h, a, c = 64, 2, 32, 4, 4
+    block = Block(GPTConfig(hidden=h, n_heads=a)).to(torch.bfloat16).train()
+    share = torch.randn(b, s // c, h, dtype=torch.bfloat16, requires_grad=True)
+    assert saved_activation_bytes(block, share, recompute_fully=True) == \
+        memory.activation_bytes_per_layer(s, b, h, a, recompute="full", context_parallel=c)

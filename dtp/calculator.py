@@ -124,7 +124,7 @@ def static_calculator_html(static_path: str = "../_static") -> str:
 </fieldset>
 <fieldset><legend>layout</legend>
 {number("micro_batch", "micro-batch b", 1)} {number("tp", "tensor parallel t", 8)}
-{number("pp", "pipeline parallel p", 8)} {number("dp", "data parallel N<sub>d</sub>", 16)}
+{number("cp", "context parallel c", 1)} {number("pp", "pipeline parallel p", 8)} {number("dp", "data parallel N<sub>d</sub>", 16)}
 {select("zero", "ZeRO stage", [(str(stage), zero.STAGE_NAMES[stage]) for stage in zero.STAGES], "1")}
 <label><input type="checkbox" name="sp" checked> sequence parallel</label>
 {select("recompute", "recomputation", [(mode, mode) for mode in memory.RECOMPUTE], "selective")}

@@ -13,7 +13,9 @@ from .plots import memory_breakdown_figure
 
 
 def memory_calculator() -> widgets.VBox:
-    """Memory of one GPU while training a GPT: shape, recipe, micro-batch and layout."""
+    """Memory of one GPU while training a GPT: shape, recipe, micro-batch and layout (tensor,
+    context, pipeline and data parallelism, ZeRO). The sequence slider moves in steps of 256, so
+    every context-parallel size offered divides it."""
     controls = {
         "n_layers": widgets.IntSlider(value=32, min=1, max=128, description="layers L"),
         "hidden": widgets.IntSlider(value=4096, min=512, max=16384, step=512, description="hidden h"),
@@ -22,6 +24,7 @@ def memory_calculator() -> widgets.VBox:
         "micro_batch": widgets.IntSlider(value=1, min=1, max=32, description="micro-batch b"),
         "recipe": widgets.Dropdown(options=list(memory.RECIPES), value="mixed_adam", description="recipe"),
         "tensor_parallel": widgets.Dropdown(options=[1, 2, 4, 8], value=1, description="TP t"),
+        "context_parallel": widgets.Dropdown(options=[1, 2, 4, 8, 16, 32], value=1, description="CP c"),
         "pipeline_parallel": widgets.Dropdown(options=[1, 2, 4, 8, 16], value=1, description="PP p"),
         "data_parallel": widgets.Dropdown(options=[1, 2, 4, 8, 16, 64, 256, 1024], value=1, description="DP Nd"),
         "zero_stage": widgets.Dropdown(options=[(zero.STAGE_NAMES[s], s) for s in zero.STAGES], value=0,
@@ -36,7 +39,8 @@ def memory_calculator() -> widgets.VBox:
         config = GPTConfig(vocab_size=values["vocab_size"], n_positions=values["n_positions"],
                            n_layers=values["n_layers"], hidden=values["hidden"], n_heads=max(values["hidden"] // 128, 1))
         layout = Layout(values["tensor_parallel"], values["pipeline_parallel"], values["data_parallel"],
-                        values["zero_stage"], values["sequence_parallel"], values["recompute"], values["micro_batch"])
+                        values["zero_stage"], values["sequence_parallel"], values["recompute"], values["micro_batch"],
+                        context_parallel=values["context_parallel"])
         label = f"{memory.gpt_parameter_count(config) / 1e9:.2f}B params, first stage"
         with output:
             output.clear_output(wait=True)

@@ -200,8 +200,10 @@ def _memory_page() -> Path:
 
 
 def test_the_static_memory_calculator_agrees_with_the_course_library(browser):
-    """Random models and layouts typed into the page's calculator: every number it shows equals
-    dtp.calculator's, to the byte."""
+    """Random models and layouts typed into the page's calculator (context parallelism c > 1 in
+    the first case and most others): every number it shows equals dtp.calculator's, to the byte;
+    a context-parallel size that is no whole number, or does not divide the sequence, is named and
+    nothing is computed for it."""
     import numpy as np
 
     from dtp import memory
@@ -213,13 +215,14 @@ def test_the_static_memory_calculator_agrees_with_the_course_library(browser):
     try:
         calculator = page.locator(".course-memory-calculator")
         assert calculator.count() == 1, "the memory page has no static calculator"
-        for _ in range(12):
+        for case in range(12):
             heads = int(rng.choice([8, 16, 32, 64, 96]))
             stages = int(rng.choice([1, 2, 4, 8]))
             values = dict(layers=int(rng.integers(stages, 120)), hidden=heads * int(rng.choice([64, 128])), heads=heads,
                           seq=int(rng.choice([512, 1024, 2048, 4096, 8192])), vocab=int(rng.integers(1000, 256000)),
                           micro_batch=int(rng.integers(1, 9)), tp=int(rng.choice([1, 2, 4, 8])),
-                          pp=stages, dp=int(rng.choice([1, 2, 8, 64, 1024])))
+                          pp=stages, dp=int(rng.choice([1, 2, 8, 64, 1024])),
+                          cp=int(rng.choice([1, 2, 4, 8, 16])) if case else 4)
             recipe, stage = str(rng.choice(list(memory.RECIPES))), int(rng.integers(0, 4))
             recompute, sp = str(rng.choice(list(memory.RECOMPUTE))), bool(rng.integers(0, 2))
             for name, value in values.items():
@@ -230,7 +233,8 @@ def test_the_static_memory_calculator_agrees_with_the_course_library(browser):
             calculator.locator("input[name=sp]").set_checked(sp)
             config = GPTConfig(vocab_size=values["vocab"], n_positions=values["seq"], n_layers=values["layers"],
                                hidden=values["hidden"], n_heads=heads)
-            layout = Layout(values["tp"], values["pp"], values["dp"], stage, sp, recompute, values["micro_batch"])
+            layout = Layout(values["tp"], values["pp"], values["dp"], stage, sp, recompute, values["micro_batch"],
+                            context_parallel=values["cp"])
             shown = float(calculator.locator("[data-output=parameters]").get_attribute("data-value"))
             assert shown == memory.gpt_parameter_count(config)
             for pipeline_stage in ("first", "last"):
@@ -239,6 +243,15 @@ def test_the_static_memory_calculator_agrees_with_the_course_library(browser):
                     cell = calculator.locator(f'[data-stage={pipeline_stage}][data-component="{component}"]')
                     assert float(cell.get_attribute("data-bytes")) == pytest.approx(value, rel=1e-12, abs=1e-6), \
                         (component, pipeline_stage, values, recipe, stage, recompute, sp)
+        calculator.locator("input[name=seq]").fill("4096")
+        for bad, problem in (("0", "context parallel c must be a whole number"), ("1.5", "context parallel c must be"),
+                             ("3", "c must divide s")):
+            calculator.locator("input[name=cp]").fill(bad)
+            assert problem in calculator.locator(".calculator-problems").inner_text(), bad
+            shown = calculator.locator("table").inner_text()
+            assert "Infinity" not in shown and "NaN" not in shown and "fits" not in shown and "needs" not in shown, shown
+        calculator.locator("input[name=cp]").fill("2")
+        assert calculator.locator(".calculator-problems").inner_text().strip() == ""
         assert visit.console_errors == [] and visit.outside_requests == []
     finally:
         visit.close()

@@ -18,6 +18,11 @@ def test_memory_calculator_redraws_on_every_change(monkeypatch):
     # twice the layers split 8 ways: a quarter of the weights per GPU (the embeddings shrink only 8-fold)
     assert after["weights"] < before["weights"] / 3
     assert after["activations"] < before["activations"]
+    sliders["CP c"].value = 4  # the sequence split 4 ways: a quarter of the activations, the same weights
+    split = next(iter(drawn[-1].values()))
+    assert len(drawn) == 4
+    assert split["activations"] == pytest.approx(after["activations"] / 4, rel=1e-12)
+    assert split["weights"] == after["weights"]
 
 
 def test_memory_bars_share_one_scale_and_the_legend_names_only_what_is_drawn():

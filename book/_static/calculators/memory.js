@@ -17,35 +17,36 @@
     return (c.vocab + c.seq) * h + c.layers * block + layerNorm;
   }
 
-  function activationBytesPerLayer(s, b, h, a, t, sp, recompute) {
-    // Korthikanti et al. 2022, table 2 (dtp.memory.activation_bytes_per_layer).
-    if (recompute === "full") return 2 * s * b * h;
+  function activationBytesPerLayer(s, b, h, a, t, sp, recompute, cp = 1) {
+    // Korthikanti et al. 2022, table 2 (dtp.memory.activation_bytes_per_layer); context
+    // parallelism c keeps 1/c of it on each rank: its s/c tokens, its s/c queries' attention rows.
+    if (recompute === "full") return 2 * s * b * h / cp;
     const unsplit = sp ? 34 / t : 10 + 24 / t;
     const attention = recompute === "selective" ? 0 : 5 * a * s / (h * t);
-    return s * b * h * (unsplit + attention);
+    return s * b * h * (unsplit + attention) / cp;
   }
 
   function memoryPerGpu(c, layout, stage) {
-    // dtp.calculator.memory_per_gpu
-    const t = layout.tp, p = layout.pp;
+    // dtp.calculator.memory_per_gpu: ZeRO shards over the N_d·c data- and context-parallel ranks
+    const t = layout.tp, p = layout.pp, cp = layout.cp;
     const shard = parameterCount(c) / (t * p);
     const sharded = COURSE.zeroSharded[String(layout.zero)];
     const perComponent = COURSE.recipes[c.recipe];
     const result = {};
     for (const component of COURSE.components) {
-      result[component] = shard * perComponent[component] / (sharded.includes(component) ? layout.dp : 1);
+      result[component] = shard * perComponent[component] / (sharded.includes(component) ? layout.dp * cp : 1);
     }
     const layers = Math.ceil(c.layers / p);
     const inFlight = stage === "first" ? p : 1;
     result["activations"] = layers * inFlight *
-      activationBytesPerLayer(c.seq, layout.microBatch, c.hidden, c.heads, t, layout.sp, layout.recompute);
-    result["logits"] = (stage === "last" || p === 1) ? 4 * c.seq * layout.microBatch * c.vocab / t : 0;
+      activationBytesPerLayer(c.seq, layout.microBatch, c.hidden, c.heads, t, layout.sp, layout.recompute, cp);
+    result["logits"] = (stage === "last" || p === 1) ? 4 * c.seq * layout.microBatch * c.vocab / (t * cp) : 0;
     return result;
   }
 
   const NUMBER_FIELDS = { layers: "layers L", hidden: "hidden h", heads: "heads a", seq: "sequence s",
                           vocab: "vocabulary V", micro_batch: "micro-batch b", tp: "tensor parallel t",
-                          pp: "pipeline parallel p", dp: "data parallel N_d" };
+                          cp: "context parallel c", pp: "pipeline parallel p", dp: "data parallel N_d" };
 
   function read(form) {
     // Every size must be a whole number of at least 1: an empty box, 0 or 2.5 is named, not
@@ -60,7 +61,7 @@
     return {
       model: { layers: number("layers"), hidden: number("hidden"), heads: number("heads"), seq: number("seq"),
                vocab: number("vocab"), mlpRatio: 4, recipe: value("recipe") },
-      layout: { tp: number("tp"), pp: number("pp"), dp: number("dp"), zero: Number(value("zero")),
+      layout: { tp: number("tp"), cp: number("cp"), pp: number("pp"), dp: number("dp"), zero: Number(value("zero")),
                 sp: form.elements["sp"].checked, recompute: value("recompute"), microBatch: number("micro_batch") },
       gpu: value("gpu"),
       invalid,
@@ -71,6 +72,7 @@
     const problems = [];
     if (model.hidden % model.heads !== 0) problems.push("the hidden size must be a multiple of the heads");
     if (model.heads % layout.tp !== 0) problems.push("tensor parallelism splits the heads: t must divide a");
+    if (model.seq % layout.cp !== 0) problems.push("context parallelism splits the sequence: c must divide s");
     if (layout.pp > model.layers) problems.push("more pipeline stages than layers");
     return problems;
   }

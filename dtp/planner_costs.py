@@ -43,9 +43,13 @@ def layer_gemms(model, training, layout) -> list[tuple[float, float, float, floa
     from .moe import expert_capacity
 
     t, h, s, b = layout.tp, model.hidden, model.seq, training.micro_batch
-    tokens, head = b * s, h // model.heads
+    c = getattr(layout, "cp", 1)
+    tokens, head = b * s // c, h // model.heads
+    # attention: each GPU's s/c queries against all s keys (ring attention brings them block by
+    # block); with flash attention the causal mask's hidden half is skipped
+    keys = s / 2 if training.flash_attention else s
     gemms = [(tokens, 3 * h / t, h, 1), (tokens, h, h / t, 1),
-             (s, s, head, b * model.heads / t), (s, head, s, b * model.heads / t)]
+             (s / c, keys, head, b * model.heads / t), (s / c, head, keys, b * model.heads / t)]
     if not model.is_moe:
         width = model.mlp_ratio * h
         return gemms + [(tokens, width / t, h, 1), (tokens, h, width / t, 1)]
@@ -63,11 +67,20 @@ def forward_layer_seconds(model, cluster, training, layout) -> dict[str, float]:
     """One layer's forward on one GPU for one micro-batch: "gemm" (roofline) and "elementwise"
     (memory bound), and "attention_core" (QKᵀ and AV: what selective recomputation repeats)."""
     hbm = cluster.hbm_bytes_per_s
-    times = [gemm_seconds(m, n, k, cluster.peak_flops, hbm, training.gemm_ceiling, batch)
+    times = [gemm_seconds(m, n, k, cluster.peak_flops, hbm, cluster.gemm_ceiling, batch)
              for m, n, k, batch in layer_gemms(model, training, layout)]
-    kept = memory.activation_bytes_per_layer(model.seq, training.micro_batch, model.hidden, model.heads,
-                                             tensor_parallel=layout.tp, sequence_parallel=True,
+    if training.flash_attention:  # one fused kernel, at the share of the peak measured for it
+        attention = layer_gemms(model, training, layout)[2:4]
+        times[2:4] = [2 * m * n * k * batch / (cluster.attention_ceiling * cluster.peak_flops)
+                      for m, n, k, batch in attention]
+    # the bytes a layer keeps on this GPU: without sequence parallelism the norms', dropouts' and
+    # residuals' work is repeated on every TP rank (Korthikanti et al. 2022's 10sbh)
+    kept = memory.activation_bytes_per_layer(model.seq // layout.cp, training.micro_batch, model.hidden, model.heads,
+                                             tensor_parallel=layout.tp, sequence_parallel=training.sequence_parallel,
                                              recompute="selective" if training.flash_attention else "none")
+    if not training.flash_attention and layout.cp > 1:  # each query row still meets all s keys
+        kept += 5 * model.heads * (model.seq // layout.cp) * model.seq * training.micro_batch / layout.tp \
+            * (layout.cp - 1)
     return {"gemm": sum(times), "attention_core": times[2] + times[3],
             "elementwise": ELEMENTWISE_PASSES * kept / hbm}
 
@@ -83,14 +96,14 @@ def micro_batch_compute(model, cluster, training, layout) -> dict[str, float]:
                   "full": layer["gemm"] + layer["elementwise"] * 2 / ELEMENTWISE_PASSES}[training.recompute]
     forward_gemm = layer["gemm"]
     elementwise = layer["elementwise"]
-    logits = gemm_seconds(training.micro_batch * model.seq, model.vocab / layout.tp, model.hidden,
-                          cluster.peak_flops, cluster.hbm_bytes_per_s, training.gemm_ceiling)
+    logits = gemm_seconds(training.micro_batch * model.seq // layout.cp, model.vocab / layout.tp, model.hidden,
+                          cluster.peak_flops, cluster.hbm_bytes_per_s, cluster.gemm_ceiling)
     forward = layers * (forward_gemm + elementwise * 2 / ELEMENTWISE_PASSES)
     backward = layers * (2 * forward_gemm + elementwise * 3 / ELEMENTWISE_PASSES + recomputed)
     # the last stage also runs the output layer (forward, and twice that backward)
     return {"forward": forward + logits, "backward": backward + 2 * logits, "layer_forward_gemm": forward_gemm,
             "layer_forward": forward / layers, "layer_backward": backward / layers,
-            "weight_gradient": layers * forward_gemm}
+            "weight_gradient": layers * forward_gemm, "layer_attention": layer["attention_core"]}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -126,11 +139,16 @@ def dp_exposed_seconds(layout, training, sent: dict[str, float], bandwidth: floa
       next layer's gather prefetched under this one's compute (fsdp_forward_exposed and
       fsdp_backward_exposed, one unit per layer);
     - ZeRO-1/2 all-gather the updated weights after the optimizer step: exposed, or hidden under
-      the next forward when `training.overlap_param_gather` (Megatron's distributed optimizer)."""
+      the next forward when `training.overlap_param_gather` (Megatron's distributed optimizer);
+    - without `training.dp_overlap`, the gradients are reduced after the step's last backward, all
+      of it exposed (Megatron-LM 2021's own DistributedDataParallel all-reduced its gradient
+      buffer in one call after backward)."""
     m = layout.micro_batches
     reductions = m if layout.zero_stage >= 2 and layout.reduce_every_micro_batch else 1
     exposed = 0.0
-    if sent["gradients"]:
+    if sent["gradients"] and not training.dp_overlap:  # reduced after backward (Megatron-LM 2021's DDP)
+        exposed += sent["gradients"] / bandwidth
+    elif sent["gradients"]:
         per_reduction = sent["gradients"] / reductions
         buckets = max(1, round(per_reduction / DDP_BUCKET_BYTES))
         exposed += reductions * overlap.ddp_exposed(per_reduction / bandwidth, compute["backward"], buckets)
@@ -174,6 +192,37 @@ def ep_exposed_seconds(ep_s: float, layout, training, compute: dict) -> float:
     return pairs * overlap.ep_exposed(per_pair, compute["forward"] + compute["backward"], overlapped=True)
 
 
+def cp_exposed_seconds(cp_s: float, layout, training, compute: dict) -> float:
+    """Exposed ring-attention time per step. Per layer and micro-batch, forward takes c - 1 ring
+    steps, each passing one K/V block while the GPU computes attention on the block it holds (1/c
+    of the layer's attention); backward takes c steps that carry 2c - 1 blocks (K/V again, and
+    their gradients) under 2/c of it each. A step's transfer sticks out by max(0, transfer -
+    that compute) (dtp.overlap.exposed)."""
+    c = layout.cp
+    if c == 1 or not cp_s:
+        return 0.0
+    per_layer = cp_s / (layout.micro_batches * compute["units"])
+    forwards = 2 if training.recompute == "full" else 1
+    # forward passes send K/V once each, backward K/V again and their gradients (dtp.context_parallel)
+    shares = {"forward": forwards * (c - 1), "backward": (c - 1) + c}
+    unit = per_layer / (shares["forward"] + shares["backward"])
+    attention = compute["layer_attention"]
+    exposed = forwards * (c - 1) * overlap.exposed(unit, attention / c)
+    exposed += c * overlap.exposed(unit * (2 * c - 1) / c, 2 * attention / c)  # c steps carry 2c - 1 blocks
+    return layout.micro_batches * compute["units"] * exposed
+
+
+# Adam in mixed precision reads each parameter's fp32 gradient, weight, m and v (16 bytes), writes
+# the weight, m and v (12) and the 16-bit copy of the weight (2), and reads the gradient once more
+# for the global norm that clips it (4): a pass limited by the memory bandwidth.
+OPTIMIZER_BYTES_PER_PARAMETER = 34
+
+
+def optimizer_seconds(parameters_per_gpu: float, hbm_bytes_per_s: float) -> float:
+    """The optimizer step over the parameters a GPU updates (its ZeRO shard), memory bound."""
+    return OPTIMIZER_BYTES_PER_PARAMETER * parameters_per_gpu / hbm_bytes_per_s
+
+
 def roofline_step_time(model, cluster, training, layout, seconds: dict[str, float],
                        data_parallel: dict[str, tuple[dict, float]]) -> dict[str, float]:
     """`seconds`: each dimension's communication time, all of it; `data_parallel`: for "dp" (and
@@ -188,7 +237,23 @@ def roofline_step_time(model, cluster, training, layout, seconds: dict[str, floa
     parts["ep"] = ep_exposed_seconds(seconds.get("ep", 0.0), layout, training, compute)
     message = seconds.get("pp", 0.0) / (2 * m) if p > 1 else 0.0
     parts["pp"] = pp_exposed_seconds(p, m, message, compute["forward"] / v, v) if p > 1 else 0.0
+    parts["cp"] = cp_exposed_seconds(seconds.get("cp", 0.0), layout, training, compute)
     for name, (sent, bandwidth) in data_parallel.items():
         parts[name] = dp_exposed_seconds(layout, training, sent, bandwidth, compute)
-    parts["bubble"] = (parts["compute"] + parts["tp"] + parts["ep"]) / m * (p - 1) / v
+    parts["bubble"] = (parts["compute"] + parts["tp"] + parts["ep"] + parts["cp"]) / m * (p - 1) / v
+    parts["optimizer"] = optimizer_seconds(updated_parameters(model, layout), cluster.hbm_bytes_per_s) \
+        if training.optimizer_step else 0.0
     return parts
+
+
+def updated_parameters(model, layout) -> float:
+    """Parameters one GPU's optimizer updates: its t·p share, divided among the ranks that hold
+    the same parameters when ZeRO shards the optimizer (stage 1 and up): dp·cp for the
+    non-expert ones, dp/e for the experts."""
+    from .topology_planner import parameter_counts
+
+    counts, shards = parameter_counts(model), layout.tp * layout.pp
+    sharded = layout.zero_stage >= 1
+    non_expert = counts["non_expert"] / shards / (layout.dp * layout.cp if sharded else 1)
+    experts = counts["experts"] / (shards * layout.ep) / (layout.dp // layout.ep if sharded else 1)
+    return non_expert + experts

@@ -22,11 +22,13 @@ what gloo runs send.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
-from . import calculator, memory, moe, pipeline, planner_costs, tensor_parallel, zero
+from . import calculator, context_parallel, memory, moe, pipeline, planner_costs, tensor_parallel, zero
 from .gpt import GPTConfig
 from .topology import INTER_NODE, INTRA_NODE, dimension_links
 
@@ -34,6 +36,8 @@ from .topology import INTER_NODE, INTRA_NODE, dimension_links
 # says how ZeRO-2/3 accumulate gradients over micro-batches; `expert_tp` is the TP degree of the
 # experts (t, or 1 with the experts' EP group folded over the TP ranks).
 LAYOUT_FIELDS = ("tp", "pp", "dp", "ep", "zero_stage", "micro_batches", "reduce_every_micro_batch", "expert_tp")
+# What the roofline model searches beyond them (rows of the "fixed" model have cp = 1 and Training's b and v).
+SEARCHED_FIELDS = ("cp", "micro_batch", "chunks")
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,16 @@ class ModelShape:
     expert_hidden: int = 0  # an expert's MLP width; 0: the dense MLP's, mlp_ratio·hidden
     capacity_factor: float = 1.0
     name: str = ""
+    kv_heads: int = 0  # grouped-query attention's K/V heads (0: as many as heads); only CP's K/V traffic uses it
 
     @property
     def is_moe(self) -> bool:
         return self.experts > 1
+
+    @property
+    def kv_hidden(self) -> int:
+        """The width of K (and of V): kv_heads · h/a."""
+        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
 
     @property
     def expert_width(self) -> int:
@@ -77,6 +87,11 @@ class Cluster:
     peak_flops: float
     name: str = ""
     hbm_bytes_per_s: float = 0.0  # memory bandwidth, for the roofline cost model
+    # The roofline model's measured shares (1.0: the vendor's figures, as the exercise's model takes them):
+    gemm_ceiling: float = 0.8  # of the peak, the largest GEMMs (cuBLAS) reach
+    attention_ceiling: float = 0.8  # of the peak, a fused (flash) attention kernel reaches
+    intra_node_efficiency: float = 1.0  # of the link rate, NCCL's collectives reach inside a node
+    inter_node_efficiency: float = 1.0  # ... and between nodes
 
     @property
     def gpus(self) -> int:
@@ -84,6 +99,10 @@ class Cluster:
 
     def bandwidth(self, link: str) -> float:
         return self.intra_node_bytes_per_s if link == INTRA_NODE else self.inter_node_bytes_per_s
+
+    def achieved_bandwidth(self, link: str) -> float:
+        """What NCCL reaches on the link: its rate times the measured efficiency (roofline model)."""
+        return self.bandwidth(link) * (self.intra_node_efficiency if link == INTRA_NODE else self.inter_node_efficiency)
 
 
 @dataclass(frozen=True)
@@ -99,8 +118,15 @@ class Training:
     cost_model: str = "fixed"
     chunks: int = 1  # interleaved 1F1B: model chunks per pipeline stage (v)
     pp_outermost: bool = False  # rank order TP, (EP,) DP, PP (Megatron-Core's default) instead of TP, (EP,) PP, DP
-    gemm_ceiling: float = 0.8  # roofline: the share of the peak the largest GEMMs reach
-    flash_attention: bool = False  # roofline: attention scores stay on chip (no s² activations in HBM)
+    flash_attention: bool = False  # roofline: attention scores stay on chip (no s² activations in HBM); the
+    # causal mask's hidden half of the scores is skipped
+    sequence_parallel: bool = True  # roofline: norms, dropout and residuals split t ways (False: Megatron-LM 2021)
+    dp_overlap: bool = True  # roofline: DP gradients reduced in buckets during backward (False: after it)
+    optimizer_step: bool = True  # roofline: the optimizer's memory-bound pass over the GPU's parameters
+    # roofline search dimensions (empty: the single micro_batch and chunks above)
+    micro_batch_choices: tuple = ()
+    chunk_choices: tuple = ()
+    max_context_parallel: int = 1  # roofline: CP sizes up to this are planned (dense models)
     overlap_param_gather: bool = False  # roofline: ZeRO-1/2's weight all-gather under the next forward
     ep_overlap: bool = False  # roofline: two micro-batches' all-to-alls each under the other's compute
     tp_overlap: bool = True  # roofline: TP's backward collectives under the weight-gradient GEMMs
@@ -120,6 +146,12 @@ class PlannedLayout:
     # The experts' TP degree: 0 means "the attention's", t (Megatron-Core's expert TP = TP); 1 folds
     # the experts' EP group over the t·e GPUs of the TP and EP groups (MoE parallel folding).
     expert_tp: int = 0
+    # Context parallelism (the sequence split c ways; dense models): tp·cp·pp·dp = GPUs, order TP, CP, PP, DP.
+    cp: int = 1
+    # The roofline model's searched choices: the micro-batch size b and the interleaved schedule's v
+    # (0: Training's micro_batch and chunks).
+    micro_batch: int = 0
+    chunks: int = 0
 
     def __post_init__(self):
         if not self.expert_tp:
@@ -133,11 +165,18 @@ class PlannedLayout:
     def sizes(self, model: ModelShape) -> dict[str, int]:
         """The layout as `dtp.topology` takes it (EP only for an MoE model)."""
         sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        if self.cp > 1:
+            sizes["cp"] = self.cp
         return {**sizes, "ep": self.ep} if model.is_moe else sizes
 
     def order(self, model: ModelShape, pp_outermost: bool = False) -> tuple[str, ...]:
-        inner = ("tp", "ep") if model.is_moe else ("tp",)
+        inner = ("tp", "ep") if model.is_moe else ("tp", "cp") if self.cp > 1 else ("tp",)
         return inner + (("dp", "pp") if pp_outermost else ("pp", "dp"))
+
+    def training(self, training: "Training") -> "Training":
+        """`training` with this layout's searched micro-batch size and chunks, where it has them."""
+        changes = {name: getattr(self, name) for name in ("micro_batch", "chunks") if getattr(self, name)}
+        return dataclasses.replace(training, **changes) if changes else training
 
 
 # --- parameters -------------------------------------------------------------------------------
@@ -185,16 +224,22 @@ def moe_extra_activation_bytes_per_layer(model: ModelShape, training: Training, 
 
 def memory_per_gpu(model: ModelShape, training: Training, layout: PlannedLayout, stage: str) -> dict[str, float]:
     """Bytes by component on a GPU of the first or last pipeline stage: dtp.calculator's dense
-    figure (sequence parallelism on), with an MoE's model states split in two: the non-expert
-    parameters over t·p GPUs, ZeRO-sharded over the Nd DP ranks, and the experts over t·p·e
-    GPUs, ZeRO-sharded over the Nd/e ranks holding the same experts."""
-    dense_layout = calculator.Layout(layout.tp, layout.pp, layout.dp, layout.zero_stage, sequence_parallel=True,
-                                     recompute=training.recompute, micro_batch=training.micro_batch)
+    figure (sequence parallelism on unless `training.sequence_parallel` is off; activations and
+    logits split c ways by context parallelism), with the model states ZeRO-sharded over the
+    Nd·c ranks that hold the same parameters, and an MoE's split in two: the non-expert parameters
+    over t·p GPUs, sharded over the Nd DP ranks, and the experts over t·p·e GPUs, sharded over
+    the Nd/e ranks holding the same experts."""
+    training = layout.training(training)
+    cp = {"context_parallel": layout.cp} if layout.cp > 1 else {}
+    dense_layout = calculator.Layout(layout.tp, layout.pp, layout.dp, layout.zero_stage,
+                                     sequence_parallel=training.sequence_parallel,
+                                     recompute=training.recompute, micro_batch=training.micro_batch, **cp)
     breakdown = calculator.memory_per_gpu(model.config, training.recipe, dense_layout, stage)
     counts, model_parallel = parameter_counts(model), layout.tp * layout.pp
-    groups = [(counts["non_expert"] / model_parallel, layout.dp)]
-    if model.is_moe:
-        groups.append((counts["experts"] / (model_parallel * layout.ep), layout.dp // layout.ep))
+    groups = [(counts["non_expert"] / model_parallel, layout.dp * layout.cp)]
+    if model.is_moe or layout.cp > 1:  # ZeRO shards over the dp·cp ranks that hold the same parameters
+        if model.is_moe:
+            groups.append((counts["experts"] / (model_parallel * layout.ep), layout.dp // layout.ep))
         states = [zero.model_state_breakdown_per_gpu(n, d, layout.zero_stage, training.recipe) for n, d in groups]
         for component in zero.COMPONENTS:
             breakdown[component] = sum(state[component] for state in states)
@@ -238,6 +283,17 @@ def expert_tokens_per_gpu(model: ModelShape, training: Training, layout: Planned
     return training.micro_batch * model.seq // layout.tp
 
 
+def cp_bytes_per_layer(model: ModelShape, training: Training, layout: PlannedLayout) -> float:
+    """Bytes a GPU sends per layer and micro-batch for ring attention (dtp.context_parallel's
+    formulas): K/V blocks around the CP ring in forward (twice with full recomputation) and
+    backward, K/V and their gradients; each TP rank passes its own heads' K and V (width
+    kv_hidden/t) of the micro-batch's b·s tokens."""
+    tokens, kv_width, c, w = training.micro_batch * model.seq, model.kv_hidden / layout.tp, layout.cp, training.bytes_per_value
+    forwards = 2 if training.recompute == "full" else 1
+    return (forwards * context_parallel.ring_bytes_per_layer(tokens, kv_width, c, w)
+            + context_parallel.ring_backward_bytes_per_layer(tokens, kv_width, c, w))
+
+
 def folded_group_link(size: int, gpus_per_node: int) -> str:
     """The link of a group of `size` consecutive ranks (TP and EP, innermost, folded into one)."""
     return INTRA_NODE if gpus_per_node % size == 0 else INTER_NODE
@@ -247,22 +303,27 @@ def traffic_per_gpu(model: ModelShape, cluster: Cluster, training: Training, lay
     """Bytes one GPU sends per step for each group it belongs to, and the link they ride:
     {"tp": {"bytes": ..., "link": "intra-node"}, "pp": ..., "dp": ..., "ep": ..., "expert_dp": ...}.
     Ring collectives; PP for a GPU of an interior stage (the busiest); "dp" carries the non-expert
-    gradients (and weights, with ZeRO), "expert_dp" the experts'."""
+    gradients (and weights, with ZeRO) over the dp·cp ranks holding the same parameters,
+    "expert_dp" the experts'; "cp" ring attention's K/V (`cp_bytes_per_layer`)."""
+    training = layout.training(training)
     t, p, e, m = layout.tp, layout.pp, layout.ep, layout.micro_batches
     b, s, h, w = training.micro_batch, model.seq, model.hidden, training.bytes_per_value
     stage_layers = model.layers // p
     forwards = 2 if training.recompute == "full" else 1  # full recomputation runs each forward twice
     passes = ("forward",) * forwards + ("backward",)
     counts = parameter_counts(model)
-    tp_per_layer = tensor_parallel.ring_bytes_per_gpu_per_layer(b * s, h, t, w, passes)
+    # With context parallelism every collective but the ring's acts on the GPU's own b·s/c tokens.
+    tp_per_layer = tensor_parallel.ring_bytes_per_gpu_per_layer(b * s // layout.cp, h, t, w, passes)
     traffic = {
         "tp": stage_layers * m * tp_per_layer,
         # An interior stage sends each micro-batch's activation forward and its gradient backward; each of
         # the stage's t GPUs sends 1/t of it (sequence parallel).
         # Interleaving (v chunks per stage) sends each micro-batch across v times as many boundaries.
-        "pp": pipeline.boundary_bytes_per_step(m, b, s, h, w) * min(2, p - 1) / 2 / t * training.chunks,
-        "dp": dp_bytes_per_gpu(counts["non_expert"] / (t * p), layout.dp, layout, w),
+        "pp": pipeline.boundary_bytes_per_step(m, b, s // layout.cp, h, w) * min(2, p - 1) / 2 / t * training.chunks,
+        "dp": dp_bytes_per_gpu(counts["non_expert"] / (t * p), layout.dp * layout.cp, layout, w),
     }
+    if layout.cp > 1:
+        traffic["cp"] = stage_layers * m * cp_bytes_per_layer(model, training, layout)
     if model.is_moe:
         # Each GPU dispatches its own b·s/t tokens (sequence parallel) to the experts of its
         # all-to-all group, with capacity C computed from them; 4 all-to-alls per layer, 6 with
@@ -286,6 +347,8 @@ def traffic_per_gpu(model: ModelShape, cluster: Cluster, training: Training, lay
                                  cluster.gpus_per_node))
     if model.is_moe and layout.expert_tp == 1 and t > 1:
         links["ep"] = folded_group_link(t * e, cluster.gpus_per_node)
+    if layout.cp > 1:  # gradients are reduced over the dp·cp ranks: inside a node only if both groups are
+        links["dp"] = INTRA_NODE if links["dp"] == links["cp"] == INTRA_NODE else INTER_NODE
     return {name: {"bytes": float(sent), "link": links[name]} for name, sent in traffic.items()}
 
 
@@ -311,10 +374,13 @@ def step_time(model: ModelShape, cluster: Cluster, training: Training, layout: P
       the DP gradient traffic (once per step) come on top.
     total = (compute + tp + ep)·(m + p - 1)/m + pp + dp + expert_dp.
     With "roofline", dtp.planner_costs.roofline_step_time (its docstring states the model)."""
+    training = layout.training(training)
     traffic = traffic or traffic_per_gpu(model, cluster, training, layout)
     seconds = {name: entry["bytes"] / cluster.bandwidth(entry["link"]) for name, entry in traffic.items()}
     if training.cost_model == "roofline":
-        data_parallel = {name: (dp_sent_per_gpu(model, training, layout, name), cluster.bandwidth(traffic[name]["link"]))
+        seconds = {name: entry["bytes"] / cluster.achieved_bandwidth(entry["link"]) for name, entry in traffic.items()}
+        data_parallel = {name: (dp_sent_per_gpu(model, training, layout, name),
+                                cluster.achieved_bandwidth(traffic[name]["link"]))
                          for name in ("dp", "expert_dp") if name in traffic}
         parts = planner_costs.roofline_step_time(model, cluster, training, layout, seconds, data_parallel)
         parts["total"] = sum(parts.values())
@@ -333,7 +399,7 @@ def step_time(model: ModelShape, cluster: Cluster, training: Training, layout: P
 def dp_sent_per_gpu(model: ModelShape, training: Training, layout: PlannedLayout, name: str) -> dict[str, float]:
     """{"gradients", "weights"} bytes a GPU sends per step in its "dp" or "expert_dp" group."""
     counts, shards = parameter_counts(model), layout.tp * layout.pp
-    n, replicas = ((counts["non_expert"] / shards, layout.dp) if name == "dp"
+    n, replicas = ((counts["non_expert"] / shards, layout.dp * layout.cp) if name == "dp"
                    else (counts["experts"] / (shards * layout.ep), layout.dp // layout.ep))
     w = training.bytes_per_value
     return zero.accumulation_bytes_sent_per_gpu(n, replicas, layout.micro_batches, layout.zero_stage,
@@ -364,7 +430,17 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, training: Training) -
       both ways of accumulating (reduce every micro-batch, or once from unsharded gradients);
     - MoE: experts tensor-parallel like the attention (expert_tp = t), or whole with their
       all-to-all group folded over TP and EP (expert_tp = 1, when t·e divides the experts);
-    - micro-batches m = global batch / (dp · micro-batch size), a whole number, at least pp."""
+    - micro-batches m = global batch / (dp · micro-batch size), a whole number, at least pp.
+    The roofline model searches further (none of it in the exercise's "fixed" model):
+    - the micro-batch size b over `training.micro_batch_choices` and the interleaved schedule's v
+      over `training.chunk_choices` (v > 1 only with pp > 1 and m a multiple of pp, as Megatron
+      requires);
+    - context parallelism c up to `training.max_context_parallel` for a dense model: c divides the
+      GPUs left by tp·pp and the sequence into 2c chunks (zigzag), dp = GPUs / (tp·cp·pp)."""
+    roofline = training.cost_model == "roofline"
+    sizes = (training.micro_batch_choices or (training.micro_batch,)) if roofline else (training.micro_batch,)
+    chunk_choices = (training.chunk_choices or (training.chunks,)) if roofline else (training.chunks,)
+    searched = roofline and (training.micro_batch_choices or training.chunk_choices)
     layouts = []
     for tp in divisors(cluster.gpus_per_node):
         if model.heads % tp or model.seq % tp:
@@ -372,23 +448,31 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, training: Training) -
         for pp in divisors(model.layers):
             if cluster.gpus % (tp * pp):
                 continue
-            dp = cluster.gpus // (tp * pp)
-            if training.global_batch % (dp * training.micro_batch):
-                continue
-            micro_batches = training.global_batch // (dp * training.micro_batch)
-            if micro_batches < pp:
-                continue
-            for ep in (divisors(math.gcd(dp, model.experts)) if model.is_moe else [1]):
-                expert_tps = [tp] + ([1] if model.is_moe and tp > 1 and model.experts % (tp * ep) == 0 else [])
-                for expert_tp in expert_tps:
-                    for stage in zero.STAGES:
-                        for every in ((0, 1) if stage >= 2 else (0,)):
-                            layouts.append(PlannedLayout(tp, pp, dp, ep, stage, micro_batches, every, expert_tp))
+            for cp in divisors(min(cluster.gpus // (tp * pp), training.max_context_parallel if roofline else 1)):
+                if (cluster.gpus // (tp * pp)) % cp or (cp > 1 and (model.is_moe or model.seq % (2 * cp * tp))):
+                    continue
+                dp = cluster.gpus // (tp * cp * pp)
+                for b, v in itertools.product(sizes, chunk_choices):
+                    if training.global_batch % (dp * b):
+                        continue
+                    micro_batches = training.global_batch // (dp * b)
+                    if micro_batches < pp or (searched and v > 1 and (pp == 1 or micro_batches % pp)):
+                        continue
+                    extra = dict(cp=cp, micro_batch=b, chunks=v) if searched or cp > 1 else {}
+                    for ep in (divisors(math.gcd(dp, model.experts)) if model.is_moe else [1]):
+                        expert_tps = [tp] + ([1] if model.is_moe and tp > 1 and model.experts % (tp * ep) == 0 else [])
+                        for expert_tp in expert_tps:
+                            for stage in zero.STAGES:
+                                for every in ((0, 1) if stage >= 2 else (0,)):
+                                    layouts.append(PlannedLayout(tp, pp, dp, ep, stage, micro_batches, every, expert_tp,
+                                                                 **extra))
     return layouts
 
 
 def evaluate(model: ModelShape, cluster: Cluster, training: Training, layout: PlannedLayout) -> dict:
-    """One row of the planner's table for `layout`, whether it fits or not."""
+    """One row of the planner's table for `layout`, whether it fits or not (with the layout's
+    searched micro-batch size and chunks, where it has them)."""
+    training = layout.training(training)
     stage, breakdown = peak_memory_per_gpu(model, training, layout)
     traffic = traffic_per_gpu(model, cluster, training, layout)
     times = step_time(model, cluster, training, layout, traffic)
@@ -399,14 +483,15 @@ def evaluate(model: ModelShape, cluster: Cluster, training: Training, layout: Pl
             "intra_node_bytes": links[INTRA_NODE], "inter_node_bytes": links[INTER_NODE],
             "bubble": pipeline.bubble_fraction(layout.pp, layout.micro_batches, training.chunks), "step_time_s": times["total"],
             "mfu": model_flops_utilization(model, cluster, training, times["total"]), "times": times,
-            "traffic": traffic}
+            "traffic": traffic, "cp": layout.cp, "micro_batch": training.micro_batch, "chunks": training.chunks,
+            "pp_outermost": training.pp_outermost}
 
 
 def plan(model: ModelShape, cluster: Cluster, training: Training) -> list[dict]:
     """The layouts of `candidate_layouts` that fit in a GPU's memory, fastest estimated step first."""
     rows = [evaluate(model, cluster, training, layout) for layout in candidate_layouts(model, cluster, training)]
     return sorted((row for row in rows if row["fits"]),
-                  key=lambda row: (row["step_time_s"], *[row[field] for field in LAYOUT_FIELDS]))
+                  key=lambda row: (row["step_time_s"], *[row[field] for field in LAYOUT_FIELDS + SEARCHED_FIELDS]))
 
 
 # --- the chapter's clusters and models ----------------------------------------------------------
@@ -420,17 +505,36 @@ A100_BF16_DENSE_FLOPS = 312e12
 A100_80GB_HBM_BYTES_PER_S = 2039e9  # A100 80GB SXM datasheet: 2,039 GB/s of HBM2e
 H100_SXM_HBM_BYTES_PER_S = 3.35e12  # H100 SXM datasheet: 3.35 TB/s of HBM3
 
+# Measured shares of those rates, for the roofline model (each on the chapter's page with its source):
+# - cuBLAS bf16 matmul: the best of a scan over large shapes (Bekman's "maximum achievable matmul
+#   FLOPS", ml-engineering): 267.9 of 312 TFLOP/s on an A100 SXM, 792.1 of 989 on an H100 SXM;
+# - NCCL over NVLink: "with the protocol overhead (~20%) NCCL can get an effective NVLink
+#   bandwidth of 370GB/s" of NVLink 4's 450 (S. Jeaugey, NVIDIA, nccl-tests issue 212);
+# - NCCL over InfiniBand: "24GB/s is the peak performance per 200G NIC" (nccl-tests issue 119),
+#   "CX-7 NICs at NDR rate (400Gbps) should achieve up to 48-49GB/s per NIC" (nccl-tests issue 267).
+# - FlashAttention-2: "50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023), "only 35%
+#   utilization on the H100 GPU" (Shah et al. 2024, FlashAttention-3's abstract).
+A100_MAMF_FLOPS, H100_MAMF_FLOPS = 267.9e12, 792.1e12
+A100_FLASH_ATTENTION_SHARE, H100_FLASH_ATTENTION_SHARE = 0.50, 0.35
+NVLINK_NCCL_EFFICIENCY = 370 / 450
+HDR_NCCL_EFFICIENCY, NDR_NCCL_EFFICIENCY = 24 / 25, 48 / 50
+
 A100_CLUSTER = Cluster(nodes=128, gpus_per_node=8, memory_bytes=memory.GPU_MEMORY_MIB["A100 80GB"] * 2**20,
                        intra_node_bytes_per_s=NVLINK3_PER_DIRECTION_BYTES_PER_S,
                        inter_node_bytes_per_s=tensor_parallel.gigabits_to_bytes_per_s(INFINIBAND_HDR_GBIT_PER_S),
                        peak_flops=A100_BF16_DENSE_FLOPS, name="128 nodes of 8 A100 80GB",
-                       hbm_bytes_per_s=A100_80GB_HBM_BYTES_PER_S)
+                       hbm_bytes_per_s=A100_80GB_HBM_BYTES_PER_S, gemm_ceiling=A100_MAMF_FLOPS / A100_BF16_DENSE_FLOPS,
+                       attention_ceiling=A100_FLASH_ATTENTION_SHARE,
+                       intra_node_efficiency=NVLINK_NCCL_EFFICIENCY, inter_node_efficiency=HDR_NCCL_EFFICIENCY)
 H100_CLUSTER = Cluster(nodes=128, gpus_per_node=8, memory_bytes=memory.GPU_MEMORY_MIB["H100 80GB"] * 2**20,
                        intra_node_bytes_per_s=tensor_parallel.NVLINK4_PER_DIRECTION_BYTES_PER_S,
                        inter_node_bytes_per_s=tensor_parallel.gigabits_to_bytes_per_s(
                            tensor_parallel.INFINIBAND_NDR_GBIT_PER_S),
                        peak_flops=tensor_parallel.H100_BF16_DENSE_FLOPS, name="128 nodes of 8 H100 80GB",
-                       hbm_bytes_per_s=H100_SXM_HBM_BYTES_PER_S)
+                       hbm_bytes_per_s=H100_SXM_HBM_BYTES_PER_S,
+                       gemm_ceiling=H100_MAMF_FLOPS / tensor_parallel.H100_BF16_DENSE_FLOPS,
+                       attention_ceiling=H100_FLASH_ATTENTION_SHARE,
+                       intra_node_efficiency=NVLINK_NCCL_EFFICIENCY, inter_node_efficiency=NDR_NCCL_EFFICIENCY)
 
 # Llama 2 70B's depth and width (80 layers, h = 8192, 64 heads, 32000 tokens, 4096 positions)
 # with GPT-2 blocks; and the same backbone with 16 experts of width 2.25h per block, top-2:

@@ -1,6 +1,7 @@
 """The planner's closed forms: parameter counts against torch models built on the meta device,
 memory against dtp.calculator (the dense case) and by hand (MoE), the step time by hand, the
 enumeration against a brute force, and the ranked table's invariants."""
+import dataclasses
 import itertools
 import math
 
@@ -250,7 +251,9 @@ def test_tp_exposure_is_the_overlap_chapter_s_and_can_be_switched_off():
     layout = planner.PlannedLayout(8, 8, 16, 1, 1, 64)
     hidden = planner.Training(1024, cost_model="roofline")
     exposed = planner.Training(1024, cost_model="roofline", tp_overlap=False)
-    tp = planner.traffic_per_gpu(model, cluster, hidden, layout)["tp"]["bytes"] / cluster.intra_node_bytes_per_s
+    # the roofline model's links run at what NCCL achieves: the rate times the measured efficiency
+    tp = planner.traffic_per_gpu(model, cluster, hidden, layout)["tp"]["bytes"] / (
+        cluster.intra_node_bytes_per_s * cluster.intra_node_efficiency)
     compute = planner_costs.micro_batch_compute(model, cluster, hidden, layout)
     per_collective = tp / (64 * 10 * 4)
     expected = 64 * 10 * overlap.tp_layer_exposed(per_collective, compute["layer_forward_gemm"] / 2)
@@ -284,17 +287,79 @@ def test_both_rank_orders_are_evaluated_and_differ_where_tp_leaves_room_in_the_n
 
 def test_megatron_table_1_trend_and_ratios():
     """The planner's predicted TFLOP/s per GPU for every row of Narayanan et al. 2021's Table 1
-    rises with model size as the published figures do (137 -> 163); the ratios are reported (the
-    roofline's assumptions over-predict every row: see the chapter's page)."""
+    rises with model size as the published figures do (137 -> 163). With the measured constants
+    only, every row is over-predicted (by less than 1.35); with the one calibrated constant (the
+    share of cuBLAS's best that training GEMMs reach, fitted on this table) every row is within
+    15 %, and so are the two 8K-token Llama 3 rows, which were not fitted."""
     from dtp import planner_validation
 
-    predictions = [planner_validation.predict(run, orders=(False,)) for run in planner_validation.megatron_runs()]
-    ratios = [round(p["ratio"], 2) for p in predictions]
-    print("Megatron-LM 2021 Table 1, predicted / published:", ratios)
-    predicted = [p["predicted"] for p in predictions]
-    published = [p["run"].published for p in predictions]
+    share = planner_validation.calibrated_gemm_share()
+    assert 0.6 < share < 0.9
+    measured = [planner_validation.predict(run, (1,), (1, 2, 4), (False,)) for run in planner_validation.megatron_runs()]
+    fitted = [planner_validation.predict(run, (1,), (1, 2, 4), (False,), gemm_share=share)
+              for run in planner_validation.megatron_runs()]
+    print("Megatron-LM 2021 Table 1, predicted / published:", [round(p["ratio"], 2) for p in measured],
+          "calibrated:", [round(p["ratio"], 2) for p in fitted])
+    predicted = [p["predicted"] for p in measured]
+    published = [p["run"].published for p in measured]
     assert predicted[-1] / predicted[0] > 1.1 and published[-1] / published[0] > 1.1
-    assert all(0.8 < ratio < 1.5 for ratio in ratios)
+    assert all(1.0 < p["ratio"] < 1.35 for p in measured)
+    assert all(0.85 < p["ratio"] < 1.15 for p in fitted)
+    llama = [planner_validation.predict(run, (1,), (4,), (False,), gemm_share=share)
+             for run in planner_validation.llama_runs() if run.cp == 1]
+    assert all(0.85 < p["ratio"] < 1.15 for p in llama)
+
+
+def test_the_roofline_s_measured_constants_and_switches():
+    """Each assumption of the roofline model is a parameter with its measured value: NCCL's share
+    of the link rate, cuBLAS's and flash attention's shares of the peak; Megatron-LM 2021's
+    gradient all-reduce after backward is all exposed; the optimizer step is a memory-bound pass
+    of 34 bytes per parameter the GPU updates."""
+    a100, h100 = planner.A100_CLUSTER, planner.H100_CLUSTER
+    assert a100.gemm_ceiling == pytest.approx(267.9 / 312) and h100.gemm_ceiling == pytest.approx(792.1 / 989.4)
+    assert a100.achieved_bandwidth("intra-node") == pytest.approx(300e9 * 370 / 450)
+    assert a100.achieved_bandwidth("inter-node") == pytest.approx(24e9)
+    assert h100.achieved_bandwidth("inter-node") == pytest.approx(48e9)
+    model, layout = planner.DENSE_70B, planner.PlannedLayout(8, 8, 16, 1, 1, 64)
+    after = planner.Training(1024, cost_model="roofline", dp_overlap=False)
+    sent = sum(planner.dp_sent_per_gpu(model, after, layout, "dp").values())  # ZeRO-1's weight gather exposed too
+    link = planner.traffic_per_gpu(model, a100, after, layout)["dp"]["link"]
+    times = planner.step_time(model, a100, after, layout)
+    assert times["dp"] == pytest.approx(sent / a100.achieved_bandwidth(link), rel=1e-12)
+    assert planner.step_time(model, a100, planner.Training(1024, cost_model="roofline"), layout)["dp"] < times["dp"]
+    per_gpu = planner.parameter_counts(model)["total"] / (8 * 8 * 16)  # ZeRO-1 shards the optimizer
+    assert times["optimizer"] == pytest.approx(34 * per_gpu / a100.hbm_bytes_per_s, rel=1e-12)
+    assert planner.step_time(model, a100, dataclasses.replace(after, optimizer_step=False), layout)["optimizer"] == 0
+
+
+def test_context_parallelism_splits_activations_and_passes_k_v_around_a_ring():
+    """CP c: tp·cp·pp·dp = GPUs; each GPU keeps 1/c of the activations; the ring's K/V bytes per
+    layer are dtp.context_parallel's (forward + backward, K/V widths kv_hidden/t); the gradients
+    are reduced over dp·cp; TP's collectives carry the GPU's s/c tokens."""
+    from dtp import context_parallel
+
+    model = planner.ModelShape(layers=8, hidden=1024, heads=16, vocab=1000, seq=32768, kv_heads=4)
+    cluster = planner.Cluster(4, 8, 80 * 2**30, 300e9, 25e9, 312e12, hbm_bytes_per_s=2e12)
+    training = planner.Training(8, cost_model="roofline", max_context_parallel=4, flash_attention=True)
+    one = planner.PlannedLayout(tp=2, pp=1, dp=16, ep=1, zero_stage=1, micro_batches=1, cp=1)
+    four = planner.PlannedLayout(tp=2, pp=1, dp=4, ep=1, zero_stage=1, micro_batches=2, cp=4)
+    traffic = planner.traffic_per_gpu(model, cluster, training, four)
+    tokens, kv = 32768, 4 * 64 / 2
+    ring = context_parallel.ring_bytes_per_layer(tokens, kv, 4) + context_parallel.ring_backward_bytes_per_layer(
+        tokens, kv, 4)
+    assert traffic["cp"]["bytes"] == pytest.approx(8 * 2 * ring)
+    assert traffic["cp"]["link"] == "intra-node" and traffic["dp"]["link"] == "inter-node"
+    assert traffic["tp"]["bytes"] == pytest.approx(
+        8 * 2 * tensor_parallel.ring_bytes_per_gpu_per_layer(tokens // 4, 1024, 2, 2, ("forward", "backward")))
+    assert traffic["dp"]["bytes"] == pytest.approx(
+        planner.dp_bytes_per_gpu(planner.parameter_counts(model)["total"] / 2, 16, four, 2))
+    first = {layout.cp: planner.memory_per_gpu(model, training, layout, "first")["activations"] for layout in (one, four)}
+    assert first[4] == pytest.approx(first[1] / 4)
+    layouts = planner.candidate_layouts(model, cluster, training)
+    assert {layout.cp for layout in layouts} == {1, 2, 4}
+    assert all(l.tp * l.cp * l.pp * l.dp == 32 for l in layouts)
+    assert planner.step_time(model, cluster, training, four)["cp"] >= 0
+
 
 
 def test_the_planner_s_dispatch_bytes_are_what_a_tp_x_ep_world_sends_on_gloo():

@@ -76,6 +76,20 @@ def _links_tell_the_order(model, cluster, training) -> bool:
     return False
 
 
+def _links_tell_pp_from_dp(model, cluster, training) -> bool:
+    """Whether, with PP outermost, some fitting layout sends bytes on a dimension whose link
+    differs when the order is read as DP outermost: only such a case catches the order ignored."""
+    if not training.pp_outermost:
+        return False
+    candidates = {_layout_key(layout): layout for layout in planner.candidate_layouts(model, cluster, training)}
+    for row in _plan(model, cluster, training):
+        layout = candidates[_key(row)]
+        misread = topology.dimension_links(layout.sizes(model), layout.order(model, False), cluster.gpus_per_node)
+        if any(entry["bytes"] and entry["link"] != misread[name] for name, entry in row["traffic"].items()):
+            return True
+    return False
+
+
 def _layout_key(layout) -> tuple:
     return tuple(getattr(layout, field) for field in planner.LAYOUT_FIELDS)
 
@@ -96,7 +110,8 @@ class Planner(Check):
     none missing), and for each its memory per GPU, bytes per step on each link class, bubble and
     estimated step time, best first. The draws always include a fitting ZeRO-2/3 layout reducing
     every one of several micro-batches, one with ZeRO-2/3 and PP > 1, and an MoE layout with TP and
-    EP, an interleaved (v = 2) case with PP > 1, and both rank orders (DP or PP outermost), so that
+    EP, an interleaved (v = 2) case with PP > 1, and both rank orders (DP or PP outermost, the
+    latter with a layout whose links differ between the two orders), so that
     DP traffic counted once per step with sharded gradients, and every TP rank dispatching the
     whole micro-batch, are refused by name.
     Fakes: dtp.topology_planner's planner functions trip; the cases are random.
@@ -118,7 +133,8 @@ class Planner(Check):
                     and any(r["zero_stage"] >= 2 and r["pp"] > 1 for r in rows)
                     and any(r["tp"] > 1 and r["ep"] > 1 and r["expert_tp"] > 1 for r in rows)
                     and any(case[2].chunks > 1 and any(r["pp"] > 1 for r in _plan(*case)) for case in cases)
-                    and len({case[2].pp_outermost for case in cases}) == 2):
+                    and len({case[2].pp_outermost for case in cases}) == 2
+                    and any(_links_tell_pp_from_dp(*case) for case in cases)):
                 return cases
 
     def collect(self, student, cases):
@@ -236,6 +252,9 @@ def _judge_row(model, cluster, training, row, right, what, layout) -> None:
 ONCE_PER_STEP = ("that counts the data-parallel traffic once per step, but with ZeRO-2/3 gradients kept sharded "
                  "every micro-batch reduce-scatters its gradients (and ZeRO-3 gathers the weights for each "
                  "micro-batch): zero.accumulation_bytes_sent_per_gpu with reduce_every_micro_batch")
+# The same slip written with the accumulation formula of unsharded gradients (ZeRO-3's gathers per micro-batch kept).
+ONCE_PER_STEP_ACCUMULATED = ONCE_PER_STEP.replace("that counts", "that reduces the gradients as if they were "
+                                                  "accumulated unsharded, that is counts")
 WHOLE_MICRO_BATCH = ("that has every GPU of a TP group dispatch the whole micro-batch's b·s tokens; with sequence "
                      "parallelism each TP rank dispatches its own b·s/t (capacity from b·s//t tokens)")
 
@@ -248,13 +267,17 @@ def _traffic_slips(model, cluster, training, layout, right) -> dict[str, dict]:
     t, p, e, w = layout.tp, layout.pp, layout.ep, training.bytes_per_value
     if layout.reduce_every_micro_batch and layout.micro_batches > 1:
         counts = planner.parameter_counts(model)
-        wrong = {name: dict(entry) for name, entry in right.items()}
-        wrong["dp"]["bytes"] = zero.communication_bytes_per_gpu(counts["non_expert"] / (t * p), layout.dp,
-                                                                layout.zero_stage, w)
+        shares = {"dp": (counts["non_expert"] / (t * p), layout.dp)}
         if model.is_moe:
-            wrong["expert_dp"]["bytes"] = zero.communication_bytes_per_gpu(counts["experts"] / (t * p * e),
-                                                                           layout.dp // e, layout.zero_stage, w)
-        slips[ONCE_PER_STEP] = wrong
+            shares["expert_dp"] = (counts["experts"] / (t * p * e), layout.dp // e)
+        once = {name: dict(entry) for name, entry in right.items()}
+        accumulated = {name: dict(entry) for name, entry in right.items()}
+        for name, (n, d) in shares.items():
+            once[name]["bytes"] = zero.communication_bytes_per_gpu(n, d, layout.zero_stage, w)
+            sent = zero.accumulation_bytes_sent_per_gpu(n, d, layout.micro_batches, layout.zero_stage, False, w, w)
+            accumulated[name]["bytes"] = sent["gradients"] + sent["weights"]
+        slips[ONCE_PER_STEP] = once
+        slips[ONCE_PER_STEP_ACCUMULATED] = accumulated
     if model.is_moe and t > 1:
         tokens = training.micro_batch * model.seq
         capacity = {n: moe.expert_capacity(n, model.experts, model.top_k, model.capacity_factor)

@@ -1,6 +1,6 @@
 """Every check of the context-parallel chapter rejects plausible wrong answers with feedback that
 names the mistake (softmax without the running-max rescale, a ring that sends keys but not
-values, the causal mask forgotten between blocks, a zigzag that returns its chunks swapped, an
+values, a ring that keeps every block it used, the causal mask forgotten between blocks, a zigzag that returns its chunks swapped, an
 all-gather where a ring or an all-to-all is asked for), and accepts correct answers written
 differently from the course's (isend/irecv instead of batch_isend_irecv)."""
 import nbformat
@@ -113,6 +113,17 @@ def test_ring_rejects_receiving_every_block_before_computing(tmp_notebook):
         "        if False:"), ("        if step < c - 1:\n            for handle", "        if False:\n            for handle"))
     assert_fails(graded(tmp_notebook, "cp.ring_forward", {"ring_attention": first_all}),
                  "received the next block before computing any scores")
+
+
+def test_ring_rejects_keeping_every_used_block_in_a_list(tmp_notebook):
+    """Each block computed as it arrives and passed on, as the ring asks, but also kept: by the end
+    of the ring the rank holds all keys and values. Every message and product is as the solution's;
+    only what stays referenced differs."""
+    keeper = changed(RING_CELL, ("    outs = [None] * pieces\n", "    outs = [None] * pieces\n    used = []\n"),
+                     ("            kv = incoming  #", "            used.append(kv)  # kept, in case it is needed again\n"
+                                                  "            kv = incoming  #"))
+    assert_fails(graded(tmp_notebook, "cp.ring_forward", {"ring_attention": keeper}),
+                 "keeps blocks it has already used")
 
 
 def test_ring_accepts_isend_irecv(tmp_notebook):

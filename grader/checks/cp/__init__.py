@@ -4,6 +4,7 @@ Oracles, computed in the grader: attention and its autograd on one process in fl
 seeds the ranks drew their slices from, and the closed forms of `dtp.context_parallel` (tested
 against gloo runs in tests/test_cp_formulas.py). Mechanisms, from what each rank did in order:
 which K/V blocks its messages carried (recognised from their payloads), to which neighbour, the
-largest buffer it received into, and the order and shapes of its score products. Never from time.
+largest buffer it received into, the received K/V it still referenced at each score product
+(`kept.ReceivedKept`), and the order and shapes of its score products. Never from time.
 """
 from . import softmax, ring, ulysses, costs  # noqa: F401 - importing registers the exercises, in this order

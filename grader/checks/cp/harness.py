@@ -3,9 +3,12 @@ computes from the same seeds. A rank's Q, K, V (and dO) are slices of full tenso
 seed, so the grader knows every rank's blocks and can tell, from the payloads, which block each
 message carried. Per rank the harness records, in order: messages and collectives (with payloads),
 waits, and every matrix product with its shape, so the score products (inner size = head_dim) say
-how many query x key entries the rank computed, and the largest buffer it received into."""
+how many query x key entries the rank computed, and the largest buffer it received into; in the
+forward, each product also records the bytes of received K/V still referenced when it ran
+(`kept.ReceivedKept`), so a rank that keeps old blocks shows."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -14,6 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtp.traffic import CommunicationLog
 
+from .kept import ReceivedKept
+
 _PRODUCTS = {"mm", "bmm", "addmm", "baddbmm"}
 _FUSED_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
                     "_scaled_dot_product_efficient_attention")
@@ -21,11 +26,13 @@ _FUSED_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_
 
 class ProductRecorder(TorchDispatchMode):
     """Appends {"op": "compute", "batch", "m", "k", "n"} for every matrix product (and a fused
-    attention kernel as its score product) to the communication log's events, in order."""
+    attention kernel as its score product) to the communication log's events, in order; with
+    `kept` (a ReceivedKept), also "kept": the received bytes still referenced as it runs."""
 
-    def __init__(self, events: list):
+    def __init__(self, events: list, kept: ReceivedKept | None = None):
         super().__init__()
         self.events = events
+        self.kept = kept
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -36,20 +43,25 @@ class ProductRecorder(TorchDispatchMode):
         if name in _PRODUCTS:
             a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
             batch = a.shape[0] if a.dim() == 3 else 1
-            self.events.append({"op": "compute", "batch": int(batch), "m": int(a.shape[-2]), "k": int(a.shape[-1]),
-                                "n": int(b.shape[-1])})
+            self._append({"op": "compute", "batch": int(batch), "m": int(a.shape[-2]), "k": int(a.shape[-1]),
+                          "n": int(b.shape[-1])})
         elif name in _FUSED_ATTENTION:
             q, k = args[0], args[1]
-            self.events.append({"op": "compute", "batch": int(math.prod(q.shape[:-2])), "m": int(q.shape[-2]),
-                                "k": int(q.shape[-1]), "n": int(k.shape[-2])})
+            self._append({"op": "compute", "batch": int(math.prod(q.shape[:-2])), "m": int(q.shape[-2]),
+                          "k": int(q.shape[-1]), "n": int(k.shape[-2])})
         return func(*args, **(kwargs or {}))
+
+    def _append(self, event: dict) -> None:
+        if self.kept is not None:
+            event["kept"] = self.kept.settled()
+        self.events.append(event)
 
 
 class ReceivedHeld:
     """Wraps the process group's recv (over the log's wrapper): the most elements of any tensor a
     rank received into, a view counting its whole base tensor, so that receiving each block into
-    its slice of one buffer for all of K and V shows. (Whether a rank keeps old receive buffers
-    alive cannot be read reliably: torch's own work objects hold them for a while.)"""
+    its slice of one buffer for all of K and V shows. (Whether a rank keeps old blocks alive is
+    what `kept.ReceivedKept` follows.)"""
 
     def __init__(self):
         self.peak = 0
@@ -105,7 +117,8 @@ def forward_rank(rank, c, function, seed, heads, seq, d, causal, layout):
     q, k, v = full_tensors(seed, heads, seq, d)
     mine = (zigzag if layout == "zigzag" else contiguous)(seq, c)[rank]
     args = (q[:, mine].contiguous(), k[:, mine].contiguous(), v[:, mine].contiguous())
-    return _with_computes(function, *(args if layout == "zigzag" else args + (causal,)))
+    two_steps = 2 * 2 * args[1].numel() * args[1].element_size()  # K and V of two ring steps
+    return _with_computes(function, *(args if layout == "zigzag" else args + (causal,)), kept_limit=two_steps)
 
 
 def backward_rank(rank, c, function, seed, heads, seq, d, causal):
@@ -118,8 +131,10 @@ def backward_rank(rank, c, function, seed, heads, seq, d, causal):
     return _with_computes(function, *blocks, causal)
 
 
-def _with_computes(function, *args):
-    with CommunicationLog(payloads=True) as log, ReceivedHeld() as held, ProductRecorder(log.events):
+def _with_computes(function, *args, kept_limit=None):
+    with CommunicationLog(payloads=True) as log, ReceivedHeld() as held, \
+            (ReceivedKept(kept_limit, log.events) if kept_limit is not None else contextlib.nullcontext()) as kept, \
+            ProductRecorder(log.events, kept):
         result = function(*args)
     result = tuple(_plain(x) for x in result) if isinstance(result, (tuple, list)) else _plain(result)
     return {"result": result, "events": list(_events_with_shapes(log)), "held": held.peak}
@@ -127,7 +142,7 @@ def _with_computes(function, *args):
 
 def _events_with_shapes(log):
     """The log's events as data, matrix products with their shapes."""
-    keep = ("op", "bytes", "peer", "of", "label", "batch", "m", "k", "n")
+    keep = ("op", "bytes", "peer", "of", "label", "batch", "m", "k", "n", "kept")
     for event in log.events:
         plain_event = {key: event[key] for key in keep if key in event}
         if "payload" in event:

@@ -11,8 +11,8 @@ from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
 from ..common import completed_worlds, raise_world_failure, run_worlds
 from .harness import attention, backward_rank, contiguous, forward_rank, full_tensors, zigzag
-from .ring_pattern import (RingBlocks, check_not_all_held, check_ring_pattern, check_score_products, score_entries,
-                           unexpected_ops)
+from .ring_pattern import (RingBlocks, check_blocks_not_kept, check_not_all_held, check_ring_pattern,
+                           check_score_products, score_entries, unexpected_ops)
 
 FP32 = 4
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
@@ -50,13 +50,15 @@ class RingForward(Check):
     tokens; each rank used only send/recv, to one neighbour and from the other, and sent exactly
     the K and V blocks the ring brought it, in order (its own, then each arrived block), c - 1
     steps; no score product spans more than one block's keys; at c = 4 no receive buffer has room
-    for more than two blocks' K and V, and scores were computed between every two steps'
-    receives. A ring that forgets the causal mask across
-    blocks is named.
+    for more than two blocks' K and V, scores were computed between every two steps' receives,
+    and no score product ran while the rank still referenced more than two steps' received K and
+    V (followed through every copy, `kept.ReceivedKept`). A ring that forgets the causal mask
+    across blocks is named.
     Fakes: an all-gather (or any collective) shows in the recorded operations; dummy messages are
     not K/V blocks; receiving into slices of one buffer for all of K and V shows as its size;
-    receiving every block before computing shows in the order. Not caught: a rank that computes
-    each block as it arrives but also keeps every block in a list."""
+    receiving every block before computing shows in the order; computing each block as it
+    arrives but keeping the used ones in a list (or copies of them, or the works that received
+    them) shows as the received bytes still referenced at the last steps' score products."""
 
     reads = ("ring_attention",)
     references = ("dtp.context_parallel.ring_attention_forward",)
@@ -81,6 +83,7 @@ class RingForward(Check):
                 check_score_products(blocks, rank, outcome["events"], where)
                 check_not_all_held(blocks, rank, outcome["events"], outcome["held"], where,
                                    lambda source: causal and source > rank)
+                check_blocks_not_kept(blocks, rank, outcome["events"], where)
             wanted = oracle(seed, heads, seq, d, causal)
             slip = blockwise_causal_slip(seed, heads, seq, d, c) if causal else None
             for rank, outcome in enumerate(per_rank):
@@ -92,7 +95,8 @@ class RingForward(Check):
                 judge_output(outcome["result"], wanted[:, rows], f"{where}: rank {rank}'s output", slips)
         raise_world_failure(failure)
         return ("outputs equal single-process attention for c = 2 and 4 (causal); K and V blocks passed on to one "
-                "neighbour in c - 1 steps, scores computed block by block as the blocks arrived, no buffer for all of K and V")
+                "neighbour in c - 1 steps, scores computed block by block as the blocks arrived, no buffer for all of K and V "
+                "and no used block kept")
 
 
 @exercise("cp.ring_backward", points=3)
@@ -156,7 +160,8 @@ class RingBackward(Check):
 class Zigzag(Check):
     """Verifies: on c = 3 and c = 4 gloo ranks, each holding chunks r and 2c-1-r of the sequence
     in 2c chunks, every rank's causal attention output equals single-process attention on its
-    tokens, in the order it holds them; the ring pattern of exercise 2; and the score entries
+    tokens, in the order it holds them; the ring pattern of exercise 2, used blocks not kept (at
+    c = 4); and the score entries
     each rank computed (query x key, from its matrix products) are balanced (the most within 20 %
     of the least) and no more than the 2c + 1 chunk pairs of (s/2c)^2 the zigzag layout needs.
     The output with its two chunks swapped is named.
@@ -184,6 +189,7 @@ class Zigzag(Check):
             blocks = RingBlocks(c, heads, seq, d, seed, "zigzag")
             for rank, outcome in enumerate(per_rank):
                 check_ring_pattern(blocks, rank, outcome["events"], where)
+                check_blocks_not_kept(blocks, rank, outcome["events"], where)
             wanted = oracle(seed, heads, seq, d, True)
             for rank, outcome in enumerate(per_rank):
                 rows = zigzag(seq, c)[rank]

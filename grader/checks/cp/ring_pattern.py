@@ -1,6 +1,7 @@
 """Judging a ring from what each rank sent: every piece of every message must be one rank's K or V
 block (the grader drew them, so it recognises them), sent on to one neighbour, the block the rank
-holds at that step of the ring; and no rank may keep all the blocks it received."""
+holds at that step of the ring; and no rank may keep all the blocks it received: not in one big
+receive buffer, not by receiving them all before computing, not by keeping the used ones alive."""
 from __future__ import annotations
 
 import numpy as np
@@ -119,6 +120,26 @@ def check_not_all_held(blocks: RingBlocks, rank: int, events: list, largest_buff
             raise CheckFailed(f"{where}: rank {rank} received the next block before computing any scores on the one "
                               "that had arrived: a ring computes on each block while the next is in flight, so it "
                               "never needs them all")
+
+
+def check_blocks_not_kept(blocks: RingBlocks, rank: int, events: list, where: str) -> None:
+    """While it computes scores, a rank references at most two steps' received K and V (the block
+    it computes on and the one arriving, or the one it just passed on): a rank that keeps the
+    blocks it has used (in a list, as copies, or through the works that received them) ends the
+    ring holding every rank's K and V. Measured from c = 4 on (at c = 3 two steps are all the
+    blocks there are to receive)."""
+    if blocks.c < 4:
+        return
+    step_bytes = 2 * blocks.size * 4  # one step's K and V, fp32
+    kept = [e for e in events if e["op"] == "compute" and e.get("k") == blocks.d and e.get("kept", 0) > 2 * step_bytes]
+    if kept:
+        most = max(e["kept"] for e in kept)
+        raise CheckFailed(f"{where}: rank {rank} still referenced {most} bytes of received K and V while computing "
+                          f"scores, the blocks of {most / step_bytes:.0f} ranks: it keeps blocks it has already used "
+                          "(in a list, as copies, or in a list of the works that received them), so by the end of "
+                          "the ring it holds every rank's keys and values, which ring attention exists to avoid. "
+                          "Drop each block once it has been used and passed on: the block you compute on and the "
+                          "one arriving are all a rank needs")
 
 
 def check_score_products(blocks: RingBlocks, rank: int, events: list, where: str) -> None:

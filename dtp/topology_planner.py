@@ -362,17 +362,22 @@ def bytes_by_link(traffic: dict[str, dict]) -> dict[str, float]:
 # --- time -----------------------------------------------------------------------------------------
 
 def step_time(model: ModelShape, cluster: Cluster, training: Training, layout: PlannedLayout,
-              traffic: dict[str, dict] | None = None) -> dict[str, float]:
+              traffic: dict[str, dict] | None = None, dp_hidden_under: float | None = None) -> dict[str, float]:
     """Estimated seconds per step, by part. With `training.cost_model == "fixed"` (the exercise's):
     - compute: the hardware FLOPs of the step (dtp.memory.hardware_flops_per_token of the active
       parameters, recomputation included) spread evenly over the GPUs, at `flops_utilization`
       of the peak;
     - each dimension's traffic takes bytes / bandwidth of its link (per GPU, per direction),
-      with no latency term and no overlap with computation: all of it is exposed;
+      with no latency term;
     - TP and EP traffic lies inside each micro-batch's forward and backward, so the pipeline
-      stretches it with the compute by (m + p - 1)/m (1F1B with equal stages); PP transfers and
-      the DP gradient traffic (once per step) come on top.
-    total = (compute + tp + ep)·(m + p - 1)/m + pp + dp + expert_dp.
+      stretches it with the compute by (m + p - 1)/m (1F1B with equal stages), all exposed; PP
+      transfers come on top, exposed;
+    - the DP traffic (dp and expert_dp) can hide only under the last micro-batch's backward (the
+      one computation left once the step's gradients start to be ready), which takes 2/3 of one
+      micro-batch's compute (backward is twice forward): exposed = max(0, dp + expert_dp -
+      (2/3)·compute/m), split between dp and expert_dp in proportion.
+    total = (compute + tp + ep)·(m + p - 1)/m + pp + max(0, dp + expert_dp - (2/3)·compute/m).
+    `dp_hidden_under` replaces (2/3)·compute/m (the check uses it to name a slip).
     With "roofline", dtp.planner_costs.roofline_step_time (its docstring states the model)."""
     training = layout.training(training)
     traffic = traffic or traffic_per_gpu(model, cluster, training, layout)
@@ -392,6 +397,13 @@ def step_time(model: ModelShape, cluster: Cluster, training: Training, layout: P
     parts = {"compute": flops / (cluster.gpus * cluster.peak_flops * training.flops_utilization), **seconds}
     in_micro_batches = parts["compute"] + parts["tp"] + parts.get("ep", 0.0)
     parts["bubble"] = in_micro_batches * pipeline.bubble_over_ideal(layout.pp, layout.micro_batches, training.chunks)
+    last_backward = 2 / 3 * parts["compute"] / layout.micro_batches if dp_hidden_under is None else dp_hidden_under
+    data_parallel = parts["dp"] + parts.get("expert_dp", 0.0)
+    if data_parallel:
+        share = max(0.0, data_parallel - last_backward) / data_parallel
+        for name in ("dp", "expert_dp"):
+            if name in parts:
+                parts[name] *= share
     parts["total"] = sum(parts.values())
     return parts
 

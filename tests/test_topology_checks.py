@@ -244,10 +244,12 @@ PLANNER = "plan_layouts"
      ("memory_bytes", "does not fit")),
     ('"pp": min(2, pp - 1) * m * training.chunks * message / tp,', '"pp": 2 * m * training.chunks * message / tp,',
      "expected"),
+    ('seconds.get("expert_dp", 0.0) - 2 / 3 * seconds["compute"] / m)',
+     'seconds.get("expert_dp", 0.0) - seconds["compute"])', "more computation than can hide it"),
 ], ids=["activations-ignored", "bubble-over-ideal", "interleaving-ignored-in-the-step", "pp-outermost-ignored",
         "slowest-first", "zero-2-and-3-without-pp-only",
         "tp-outermost-links", "dp-once-per-step-with-sharded-gradients", "ep-dispatches-the-whole-micro-batch",
-        "unsharded-accumulation-without-its-memory", "pp-edge-stages"])
+        "unsharded-accumulation-without-its-memory", "pp-edge-stages", "dp-hidden-under-the-whole-step"])
 def test_planner_rejects(tmp_notebook, old, new, feedback):
     source = variant(PLANNER, old, new)
     assert_fails(graded(tmp_notebook, "topology.planner", {PLANNER: source}), feedback)

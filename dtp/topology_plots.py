@@ -13,7 +13,8 @@ GROUP_STYLES = {"tp": ("tab:blue", "s", "TP group"), "ep": ("tab:purple", "D", "
 PART_STYLES = {"compute": ("compute", "#a6bddb"), "bubble": ("pipeline bubble", "#d0d0d0"),
                "tp": ("TP all-reduces", "#08519c"), "ep": ("EP all-to-alls", "#9467bd"),
                "pp": ("PP send/recv", "#ff7f0e"), "dp": ("DP gradients", "#2ca02c"),
-               "expert_dp": ("expert gradients", "#98df8a")}
+               "expert_dp": ("expert gradients", "#98df8a"), "cp": ("CP ring K/V", "#8c564b"),
+               "optimizer": ("optimizer step", "#bcbd22")}
 
 
 def group_map_figure(sizes: dict[str, int], order, gpus_per_node: int, rank: int = 0, title: str = ""):

@@ -59,6 +59,9 @@ def h100_cluster(nodes: int, nvlink_per_direction: float = tensor_parallel.NVLIN
 # Narayanan et al. 2021, Table 1: (parameters in billions, heads, hidden, layers, TP, PP, GPUs, batch,
 # achieved TFLOP/s per GPU). GPT models with a vocabulary of 51,200 and 2048-token sequences,
 # mixed precision, activation recomputation, no ZeRO; measured end to end on Selene.
+# Checked against the table Megatron-LM's README showed from 2021 to 2024 (images/cases_april2021.png
+# in github.com/NVIDIA/Megatron-LM, added in commit 50a4b5fa02): hidden size, layers, GPUs, batch,
+# model-parallel size t·p and achieved TFLOP/s per GPU agree on every row (the heads are the paper's).
 MEGATRON_TABLE_1 = [
     (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
     (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),

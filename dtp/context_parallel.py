@@ -253,6 +253,13 @@ def allgather_kv_bytes_per_layer(tokens, kv_hidden, c, dtype_bytes=2):
     return (c - 1) / c * 2 * tokens * kv_hidden * dtype_bytes
 
 
+def allgather_kv_backward_bytes_per_layer(tokens, kv_hidden, c, grad_bytes=2):
+    """The backward's, for the all-gather method: every rank's attention backward gives gradients
+    for all `tokens` keys and values, and a reduce-scatter sums each rank's share onto its owner
+    (the all-gather's adjoint): (c-1)/c of the full dK and dV, 2(c-1)/c·tokens·kv_hidden·bytes."""
+    return (c - 1) / c * 2 * tokens * kv_hidden * grad_bytes
+
+
 def ulysses_bytes_per_layer(tokens, hidden, kv_hidden, c, dtype_bytes=2):
     """Bytes a rank sends in one layer's forward of Ulysses: (c-1)/c of its Q, K, V shard in the
     first all-to-all and of its output shard in the second: (c-1)/c·(tokens/c)·(2h + 2h_kv)·bytes."""

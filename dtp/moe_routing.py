@@ -5,9 +5,12 @@ experts on at most M nodes) with the cross-node bytes it bounds.
 Conventions are dtp.moe's: logits (T, E), softmax probabilities, `indices[t, j]` token t's j-th
 choice, best first, ties to the lower expert index.
 
-tests/test_ep_routing.py checks every function here against a brute-force loop.
+tests/test_ep_routing.py checks every function here against a brute-force loop, and
+tests/test_topology_planner.py the expected dispatch copies against `node_limited_routing`.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -83,3 +86,29 @@ def cross_node_dispatch_bytes(indices, experts_per_node: int, source_node: int, 
     nodes = np.asarray(indices) // experts_per_node
     crossings = sum(len(set(row.tolist()) - {source_node}) for row in nodes)
     return int(crossings * hidden * bytes_per_element)
+
+
+def node_limited_dispatch_copies(k: int, num_experts: int, nodes: int, gpus_per_node: int,
+                                 max_nodes: int) -> dict[str, float]:
+    """Expected copies of one token a dispatch sends with node-limited routing as DeepSeek-V3
+    runs it (section 3.2.2): over the inter-node links, one copy to each chosen node other than
+    the token's own (it lands on the GPU with the token's in-node index); over NVLink, one copy
+    from that GPU (or, on the token's own node, from the token's GPU) to each other GPU of the
+    node that hosts one of the token's experts. Experts are spread evenly, E/N per node and
+    E/(N·G) per GPU, and every node and GPU is equally likely (balanced routing):
+    - "nodes": the chosen nodes a token's experts fill, M (the rule keeps the M nodes whose k/M
+      best experts score highest, and the top-k among them almost always lands on all M; with
+      independent scores, tests measure the mean over `node_limited_routing`);
+    - "inter_node": M·(N-1)/N, the token's own node being any of the N with equal chance;
+    - "intra_node": M·D·(G-1)/G, with D = G·(1 - C(E/N - E/(N·G), k/M) / C(E/N, k/M)) the
+      expected distinct GPUs holding k/M experts drawn among a node's E/N, and (G-1)/G the
+      chance that such a GPU is not the one the copy arrived on.
+    The same counts hold for the combine, which sends the results back along the same routes."""
+    if max_nodes < 1 or k % max_nodes or num_experts % (nodes * gpus_per_node) or max_nodes > nodes:
+        raise ValueError(f"need 1 <= max_nodes <= nodes, k divisible by max_nodes and the experts by the GPUs; got "
+                         f"k={k}, experts={num_experts}, nodes={nodes}, gpus_per_node={gpus_per_node}, "
+                         f"max_nodes={max_nodes}")
+    per_node, per_gpu, chosen = num_experts // nodes, num_experts // (nodes * gpus_per_node), k // max_nodes
+    gpus_hit = gpus_per_node * (1 - math.comb(per_node - per_gpu, chosen) / math.comb(per_node, chosen))
+    return {"nodes": float(max_nodes), "inter_node": max_nodes * (nodes - 1) / nodes,
+            "intra_node": max_nodes * gpus_hit * (gpus_per_node - 1) / gpus_per_node}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 
-from . import memory, overlap, pipeline
+from . import memory, moe_routing, overlap, pipeline
 
 ELEMENTWISE_PASSES = 5  # forward: write + read; backward: read, write the gradient, read it
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb (gradient buckets reduced during backward)
@@ -63,16 +63,33 @@ def layer_gemms(model, training, layout) -> list[tuple[float, float, float, floa
     return gemms + [(rows, width, h, local_experts), (rows, h, width, local_experts)]
 
 
+def linear_gemm_seconds(m, n, k, batch, cluster, training) -> float:
+    """A linear layer's GEMM: bf16 at `gemm_ceiling` of the peak, or with `training.fp8_gemms`
+    (DeepSeek-V3, section 3.3.1: forward, input- and weight-gradient GEMMs of the linear layers in
+    FP8) 1-byte operands at `fp8_gemm_ceiling` of the FP8 peak."""
+    if not training.fp8_gemms:
+        return gemm_seconds(m, n, k, cluster.peak_flops, cluster.hbm_bytes_per_s, cluster.gemm_ceiling, batch)
+    if not cluster.fp8_peak_flops or not cluster.fp8_gemm_ceiling:
+        raise ValueError(f"fp8_gemms needs the cluster's fp8_peak_flops and fp8_gemm_ceiling "
+                         f"({cluster.name!r} has none)")
+    return gemm_seconds(m, n, k, cluster.fp8_peak_flops, cluster.hbm_bytes_per_s, cluster.fp8_gemm_ceiling, batch,
+                        bytes_per_value=1)
+
+
 def forward_layer_seconds(model, cluster, training, layout) -> dict[str, float]:
     """One layer's forward on one GPU for one micro-batch: "gemm" (roofline) and "elementwise"
-    (memory bound), and "attention_core" (QKᵀ and AV: what selective recomputation repeats)."""
+    (memory bound), and "attention_core" (QKᵀ and AV: what selective recomputation repeats).
+    Attention stays in bf16 whatever the linear layers use; with `training.comm_sm_share`, the
+    matrix products run on the SMs that communication kernels leave (DeepSeek-V3: 20 of 132)."""
     hbm = cluster.hbm_bytes_per_s
-    times = [gemm_seconds(m, n, k, cluster.peak_flops, hbm, cluster.gemm_ceiling, batch)
-             for m, n, k, batch in layer_gemms(model, training, layout)]
+    gemms = layer_gemms(model, training, layout)
+    times = [linear_gemm_seconds(m, n, k, batch, cluster, training) for m, n, k, batch in gemms]
+    times[2:4] = [gemm_seconds(m, n, k, cluster.peak_flops, hbm, cluster.gemm_ceiling, batch)
+                  for m, n, k, batch in gemms[2:4]]
     if training.flash_attention:  # one fused kernel, at the share of the peak measured for it
-        attention = layer_gemms(model, training, layout)[2:4]
         times[2:4] = [2 * m * n * k * batch / (cluster.attention_ceiling * cluster.peak_flops)
-                      for m, n, k, batch in attention]
+                      for m, n, k, batch in gemms[2:4]]
+    times = [time / (1 - training.comm_sm_share) for time in times]
     # the bytes a layer keeps on this GPU: without sequence parallelism the norms', dropouts' and
     # residuals' work is repeated on every TP rank (Korthikanti et al. 2022's 10sbh)
     kept = memory.activation_bytes_per_layer(model.seq // layout.cp, training.micro_batch, model.hidden, model.heads,
@@ -89,21 +106,60 @@ def micro_batch_compute(model, cluster, training, layout) -> dict[str, float]:
     """Seconds one GPU of the slowest stage computes per micro-batch: "forward" and "backward"
     (backward's GEMMs take twice forward's: input and weight gradients; "weight_gradient" is the
     half of it that TP's backward all-reduces can hide under), recomputation added to backward,
-    and the output layer's logits GEMM on the last stage."""
+    and the output layer's logits GEMM on the last stage (the busiest: `busiest_stage_layers`)."""
     layer = forward_layer_seconds(model, cluster, training, layout)
-    layers = model.layers // layout.pp
+    layers = busiest_stage_layers(model, training, layout.pp)
     recomputed = {"none": 0.0, "selective": layer["attention_core"],
                   "full": layer["gemm"] + layer["elementwise"] * 2 / ELEMENTWISE_PASSES}[training.recompute]
     forward_gemm = layer["gemm"]
     elementwise = layer["elementwise"]
     logits = gemm_seconds(training.micro_batch * model.seq // layout.cp, model.vocab / layout.tp, model.hidden,
                           cluster.peak_flops, cluster.hbm_bytes_per_s, cluster.gemm_ceiling)
+    logits /= 1 - training.comm_sm_share
+    if training.balanced_stages and layout.pp > 1:
+        logits = 0.0  # the output layer sits on the last stage in place of a layer: the busiest has none
     forward = layers * (forward_gemm + elementwise * 2 / ELEMENTWISE_PASSES)
     backward = layers * (2 * forward_gemm + elementwise * 3 / ELEMENTWISE_PASSES + recomputed)
     # the last stage also runs the output layer (forward, and twice that backward)
     return {"forward": forward + logits, "backward": backward + 2 * logits, "layer_forward_gemm": forward_gemm,
             "layer_forward": forward / layers, "layer_backward": backward / layers,
             "weight_gradient": layers * forward_gemm, "layer_attention": layer["attention_core"]}
+
+
+def busiest_stage_layers(model, training, pp: int) -> int:
+    """Layers on the busiest pipeline stage: ceil(L/p) (L/p when p divides L), or, with
+    `training.balanced_stages` (Llama 3, section 3.3.2), ceil((L + 2)/p): the first and last
+    stages give up a layer each to the embedding and the output layer."""
+    if pp == 1:
+        return model.layers
+    return math.ceil((model.layers + (2 if training.balanced_stages else 0)) / pp)
+
+
+# DeepSeek-V3's FP8 dispatch (section 3.3.3): E4M3 values with one float32 scaling factor per 128 of
+# them (DeepGEMM's SM90 activation format), 1 + 4/128 bytes per value; the combine stays in bf16.
+FP8_DISPATCH_BYTES_PER_VALUE = 1 + 4 / 128
+
+
+def node_limited_ep_bytes(model, cluster, training, layout) -> dict[str, float] | None:
+    """Bytes one GPU sends per MoE layer and micro-batch with DeepSeek-V3's node-limited dispatch:
+    {"inter_node": ..., "intra_node": ...}, or None where it does not apply (the EP group not whole
+    nodes, or no more nodes than the limit M: then `capacity` accounting). Its b·s/t tokens, each
+    with the expected copies of `moe_routing.node_limited_dispatch_copies` (k routed experts: the
+    shared ones are computed at home), in each pass a dispatch-direction all-to-all (FP8 with
+    `training.fp8_dispatch`) and a combine-direction one (the forward's combine, and in backward
+    the dispatch's gradient, in bf16); forward passes twice with full recomputation."""
+    from .topology_planner import expert_tokens_per_gpu
+
+    g, group, routed = cluster.gpus_per_node, layout.expert_ep, model.top_k - model.shared_experts
+    nodes = group // g
+    if not model.max_nodes or group % g or nodes <= model.max_nodes or routed % model.max_nodes:
+        return None
+    copies = moe_routing.node_limited_dispatch_copies(routed, model.experts, nodes, g, model.max_nodes)
+    w = training.bytes_per_value
+    per_copy = model.hidden * ((FP8_DISPATCH_BYTES_PER_VALUE if training.fp8_dispatch else w) + w)
+    passes = (2 if training.recompute == "full" else 1) + 1
+    tokens = expert_tokens_per_gpu(model, training, layout)
+    return {link: passes * tokens * copies[link] * per_copy for link in ("inter_node", "intra_node")}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -193,14 +249,17 @@ def ep_exposed_seconds(ep_s: float, layout, training, compute: dict) -> float:
 
 
 def cp_exposed_seconds(cp_s: float, layout, training, compute: dict) -> float:
-    """Exposed ring-attention time per step. Per layer and micro-batch, forward takes c - 1 ring
-    steps, each passing one K/V block while the GPU computes attention on the block it holds (1/c
-    of the layer's attention); backward takes c steps that carry 2c - 1 blocks (K/V again, and
-    their gradients) under 2/c of it each. A step's transfer sticks out by max(0, transfer -
-    that compute) (dtp.overlap.exposed)."""
+    """Exposed context-parallel time per step: all of it with `cp_method="allgather"` (K/V
+    gathered before attention starts, dK/dV reduced after it ends). Ring attention: per layer and
+    micro-batch, forward takes c - 1 ring steps, each passing one K/V block while the GPU computes
+    attention on the block it holds (1/c of the layer's attention); backward takes c steps that
+    carry 2c - 1 blocks (K/V again, and their gradients) under 2/c of it each. A step's transfer
+    sticks out by max(0, transfer - that compute) (dtp.overlap.exposed)."""
     c = layout.cp
     if c == 1 or not cp_s:
         return 0.0
+    if training.cp_method == "allgather":  # Llama 3: "the all-gather communication latency is exposed"
+        return cp_s
     per_layer = cp_s / (layout.micro_batches * compute["units"])
     forwards = 2 if training.recompute == "full" else 1
     # forward passes send K/V once each, backward K/V again and their gradients (dtp.context_parallel)
@@ -228,9 +287,13 @@ def roofline_step_time(model, cluster, training, layout, seconds: dict[str, floa
     """`seconds`: each dimension's communication time, all of it; `data_parallel`: for "dp" (and
     "expert_dp") the bytes sent as gradients and weights and the link's bandwidth. The step's parts: "compute" (m micro-batches on the slowest stage), the exposed part of
     each dimension's communication, and "bubble": (p-1)/v of a micro-batch's compute and
-    in-micro-batch communication (interleaved 1F1B with v chunks per stage)."""
+    in-micro-batch communication (interleaved 1F1B with v chunks per stage). With
+    `training.pipeline_schedule == "dualpipe"` (DeepSeek-V3, section 3.2.1 and its Table 2), the
+    bubble is (p/2 - 1)(F&B + B - 3W), the overlapped forward-and-backward pair F&B taken as F + B
+    and W the weight-gradient GEMMs, plus (p/2 - 1) micro-batches' exposed TP, EP and CP time; each
+    micro-batch's two PP messages run under a forward-and-backward pair (dtp.overlap.exposed)."""
     compute = micro_batch_compute(model, cluster, training, layout)
-    compute["units"] = model.layers // layout.pp
+    compute["units"] = busiest_stage_layers(model, training, layout.pp)
     m, p, v = layout.micro_batches, layout.pp, training.chunks
     parts = {"compute": m * (compute["forward"] + compute["backward"])}
     parts["tp"] = tp_exposed_seconds(seconds.get("tp", 0.0), layout, training, compute)
@@ -241,6 +304,14 @@ def roofline_step_time(model, cluster, training, layout, seconds: dict[str, floa
     for name, (sent, bandwidth) in data_parallel.items():
         parts[name] = dp_exposed_seconds(layout, training, sent, bandwidth, compute)
     parts["bubble"] = (parts["compute"] + parts["tp"] + parts["ep"] + parts["cp"]) / m * (p - 1) / v
+    if training.pipeline_schedule == "dualpipe" and p > 1:
+        if p % 2 or m % 2 or v > 1:
+            raise ValueError(f"DualPipe needs even stages and micro-batches and no interleaving (p={p}, m={m}, v={v})")
+        f, b, w = compute["forward"], compute["backward"], compute["weight_gradient"]
+        parts["pp"] = m * overlap.exposed(2 * message, f + b)
+        parts["bubble"] = (p / 2 - 1) * (f + 2 * b - 3 * w + (parts["tp"] + parts["ep"] + parts["cp"]) / m)
+    elif training.pipeline_schedule != "1f1b":
+        raise ValueError(f"pipeline_schedule must be '1f1b' or 'dualpipe', got {training.pipeline_schedule!r}")
     parts["optimizer"] = optimizer_seconds(updated_parameters(model, layout), cluster.hbm_bytes_per_s) \
         if training.optimizer_step else 0.0
     return parts

@@ -14,7 +14,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from . import tensor_parallel
+from . import memory, tensor_parallel
 from .topology_planner import Cluster, ModelShape, PlannedLayout, Training, evaluate, parameter_counts
 from . import topology_planner as planner
 
@@ -28,8 +28,9 @@ class PublishedRun:
     tp: int
     pp: int
     zero_stage: int
-    # "megatron_tflops" (Narayanan et al.'s formula, recomputation counted), "model_tflops" (the model
-    # FLOPs of dtp.memory.model_flops_per_token: 6N + 12·L·h·s per token), "tokens"
+    # "megatron_tflops" (Narayanan et al.'s formula, recomputation counted), "model_tflops" (PaLM's model
+    # FLOPs, dtp.memory.model_flops_per_token: 6N + 12·L·h·s per token), "causal_tflops" (the same with
+    # attention's causal half: 6N + 6·L·h·s), "tokens"
     metric: str
     published: float  # TFLOP/s per GPU, MFU, or tokens per second per GPU
     source: str  # a references.bib key
@@ -97,10 +98,14 @@ def megatron_runs() -> list[PublishedRun]:
 # TP 8, PP 16, 16M tokens per batch: 8,192 GPUs (CP 1, DP 64) at 430 TFLOP/s per GPU (43 % bf16
 # MFU), 16,384 GPUs (CP 1, DP 128) at 400 (41 %), and 16,384 GPUs (CP 16, DP 8, 131,072-token
 # sequences) at 380 (38 %); 8192-token sequences otherwise; FSDP-style sharding of optimizer
-# states and gradients with PP. Modelled with GPT blocks of its width and depth (126 layers,
-# h = 16384, 128 heads, MLP 4h: 406B parameters, as many as Llama 3's with SwiGLU and GQA), its 8
-# K/V heads (for CP's K/V traffic) and its 128,256-token vocabulary; flash attention (the causal
-# half skipped); selective recomputation.
+# states and gradients with PP. The TFLOP/s are the "BF16 Model FLOPs Utilization (MFU;
+# Chowdhery et al.)" times the peak (section 3.3.2): PaLM's model FLOPs, 6N + 12·L·h·s per token.
+# Its pipeline gives the first and last stages one layer fewer (126 + 2 = 16 x 8), and its context
+# parallelism all-gathers K and V before attention, "exposed in the critical path" (section 3.3.2).
+# Modelled with GPT blocks of its width and depth (126 layers, h = 16384, 128 heads, MLP 4h: 406B
+# parameters, as many as Llama 3's with SwiGLU and GQA), its 8 K/V heads (for CP's K/V traffic)
+# and its 128,256-token vocabulary; flash attention (the causal half skipped); selective
+# recomputation.
 LLAMA3_405B = ModelShape(layers=126, hidden=16384, heads=128, vocab=128256, seq=8192, kv_heads=8,
                          name="Llama 3 405B (GPT blocks)")
 LLAMA3_TABLE_4 = [  # (GPUs, TP, CP, PP, sequence, TFLOP/s per GPU)
@@ -108,14 +113,32 @@ LLAMA3_TABLE_4 = [  # (GPUs, TP, CP, PP, sequence, TFLOP/s per GPU)
 
 # DeepSeek-V3 (DeepSeek-AI 2024, sections 3.1-3.3 and 4.2): 2048 H800s (NVLink 400 GB/s both ways,
 # one 400 Gb/s InfiniBand port per GPU), PP 16, EP 64 over 8 nodes, ZeRO-1 DP, no TP; 180K H800
-# GPU hours per trillion tokens; 4096-token sequences, batch 15,360 sequences; FP8 GEMMs; DualPipe
-# overlaps the all-to-alls with computation. Modelled: 61 GPT-attention layers of h = 7168 (MLA
-# not modelled), 256 experts top-8 plus the shared expert as a ninth active one, each expert an
-# MLP of width 3072 (SwiGLU's three 7168 x 2048 matrices hold as many parameters).
+# GPU hours per trillion tokens; 4096-token sequences, batch 15,360 sequences. Each token's 8 routed
+# experts (of 256) lie on at most M = 4 nodes; the shared expert runs on the token's own GPU; a
+# token crosses InfiniBand once per chosen node and is forwarded over NVLink there ("NVLink offers
+# a bandwidth of 160 GB/s, roughly 3.2 times that of IB (50 GB/s)", IB and NVLink "fully
+# overlapped"), by kernels on 20 of the H800's 132 SMs (sections 3.2.2, 3.5.1); the linear layers'
+# GEMMs in FP8, attention, embedding and output head in bf16 (3.3.1); dispatch in FP8, combine in
+# bf16 (3.3.3); DualPipe overlaps the all-to-alls with computation. Modelled: 61 GPT-attention layers
+# of h = 7168 (MLA not modelled), 256 routed experts top-8 plus the shared expert as a ninth active
+# one, each expert an MLP of width 3072 (SwiGLU's three 7168 x 2048 matrices hold as many parameters).
 DEEPSEEK_V3 = ModelShape(layers=61, hidden=7168, heads=128, vocab=129280, seq=4096, experts=256, top_k=9,
-                         expert_hidden=3072, name="DeepSeek-V3 (approximated)")
+                         expert_hidden=3072, shared_experts=1, max_nodes=4, name="DeepSeek-V3 (approximated)")
 H800_NVLINK_PER_DIRECTION = 400e9 / 2
 H800_FP8_DENSE_FLOPS = 2 * tensor_parallel.H100_BF16_DENSE_FLOPS
+H800_SMS, DEEPSEEK_V3_COMMUNICATION_SMS = 132, 20
+# The best FP8 GEMM with DeepSeek-V3's fine-grained (1x128, 128x128) scaling in DeepGEMM's first
+# release, measured on an H800 over the shapes DeepSeek-V3 uses: 1358 TFLOP/s (M = 4096, N = 7168,
+# K = 16384; its README of 2025-02-25, 1.2x the "internally and carefully optimized implementation
+# based on CUTLASS 3.6" it replaced). The bf16 ceiling's counterpart: the best measured on good shapes.
+DEEPGEMM_BEST_FP8_FLOPS = 1358e12
+# How DeepSeek-V3 is run, each switchable (the page shows what each contributes)
+DEEPSEEK_V3_PRACTICE = dict(ep_dispatch="node_limited", fp8_dispatch=True, fp8_gemms=True,
+                            comm_sm_share=DEEPSEEK_V3_COMMUNICATION_SMS / H800_SMS, pipeline_schedule="dualpipe")
+
+
+# How Llama 3 is run, each switchable (the page shows what each contributes)
+LLAMA3_PRACTICE = dict(cp_method="allgather", balanced_stages=True)
 
 
 def llama_runs() -> list[PublishedRun]:
@@ -123,7 +146,7 @@ def llama_runs() -> list[PublishedRun]:
     for gpus, tp, cp, pp, seq, tflops in LLAMA3_TABLE_4:
         model = dataclasses.replace(LLAMA3_405B, seq=seq)
         training = Training(global_batch=16 * 2**20 // seq, recompute="selective", cost_model="roofline",
-                            flash_attention=True, overlap_param_gather=True)
+                            flash_attention=True, overlap_param_gather=True, **LLAMA3_PRACTICE)
         name = f"Llama 3 405B, {gpus:,} GPUs" + (f", CP {cp}, {seq // 1024}K tokens" if cp > 1 else "")
         runs.append(PublishedRun(name, model, h100_cluster(gpus // 8), training, tp=tp, pp=pp, zero_stage=2,
                                  metric="model_tflops", published=tflops, source="dubey2024llama3", cp=cp))
@@ -132,10 +155,12 @@ def llama_runs() -> list[PublishedRun]:
 
 def other_runs() -> list[PublishedRun]:
     tokens_per_gpu_s = 1e12 / (180e3 * 3600)
-    deepseek = PublishedRun("DeepSeek-V3 (MoE)", DEEPSEEK_V3,
-                            h100_cluster(256, H800_NVLINK_PER_DIRECTION, H800_FP8_DENSE_FLOPS, "H800 (FP8 peak)"),
+    h800 = dataclasses.replace(h100_cluster(256, H800_NVLINK_PER_DIRECTION, name="H800"),
+                               fp8_peak_flops=H800_FP8_DENSE_FLOPS,
+                               fp8_gemm_ceiling=DEEPGEMM_BEST_FP8_FLOPS / H800_FP8_DENSE_FLOPS)
+    deepseek = PublishedRun("DeepSeek-V3 (MoE)", DEEPSEEK_V3, h800,
                             Training(global_batch=15360, recompute="full", cost_model="roofline", flash_attention=True,
-                                     overlap_param_gather=True, ep_overlap=True),
+                                     overlap_param_gather=True, ep_overlap=True, **DEEPSEEK_V3_PRACTICE),
                             tp=1, pp=16, zero_stage=1, ep=64, metric="tokens", published=tokens_per_gpu_s,
                             source="deepseekai2024v3")
     return [deepseek]
@@ -148,7 +173,7 @@ def published_runs() -> list[PublishedRun]:
 def causal_model_flops_per_token(model: ModelShape) -> float:
     """Model FLOPs per token with a causal mask: 6N for the weights, and half of PaLM's 12·L·h·s for
     attention's QKᵀ and AV (the masked half is neither needed nor, with flash attention, computed).
-    Llama 3's paper does not say which count its TFLOP/s use; the page shows the 128K row both ways."""
+    Llama 3 counts PaLM's (its MFU cites Chowdhery et al.); the page shows its 128K row both ways."""
     return 6 * parameter_counts(model)["active"] + 6 * model.layers * model.hidden * model.seq
 
 
@@ -157,9 +182,10 @@ def predict(run: PublishedRun, micro_batches=(1, 2, 4, 8), chunks=(1, 2, 4), ord
     """The planner's fastest fitting choice of (b, v, order) for the run's published layout, and
     its prediction in the run's metric, beside the published figure. `gemm_share` scales the
     cluster's measured GEMM ceiling (1: as measured; `calibrated_gemm_share()`: fitted)."""
-    if gemm_share != 1.0:
+    if gemm_share != 1.0:  # the measured best of bf16 and of FP8 GEMMs alike
         run = dataclasses.replace(run, cluster=dataclasses.replace(
-            run.cluster, gemm_ceiling=run.cluster.gemm_ceiling * gemm_share))
+            run.cluster, gemm_ceiling=run.cluster.gemm_ceiling * gemm_share,
+            fp8_gemm_ceiling=run.cluster.fp8_gemm_ceiling * gemm_share))
     dp = run.cluster.gpus // (run.tp * run.cp * run.pp)
     best = None
     for b in micro_batches:
@@ -169,8 +195,8 @@ def predict(run: PublishedRun, micro_batches=(1, 2, 4, 8), chunks=(1, 2, 4), ord
         if m < run.pp:
             continue
         for v in chunks:
-            if v > 1 and (run.pp == 1 or m % run.pp):  # Megatron: m a multiple of p
-                continue
+            if v > 1 and (run.pp == 1 or m % run.pp or run.training.pipeline_schedule == "dualpipe"):
+                continue  # Megatron: m a multiple of p; DualPipe does not interleave
             for pp_outermost, every in itertools.product(orders, (0, 1) if run.zero_stage >= 2 else (0,)):
                 training = dataclasses.replace(run.training, micro_batch=b, chunks=v, pp_outermost=pp_outermost)
                 layout = PlannedLayout(run.tp, run.pp, dp, run.ep, run.zero_stage, m, every, cp=run.cp)
@@ -183,7 +209,10 @@ def predict(run: PublishedRun, micro_batches=(1, 2, 4, 8), chunks=(1, 2, 4), ord
     gpus = run.cluster.gpus
     predicted = {"megatron_tflops": megatron_flops_per_step(run.model, run.training.global_batch) / (gpus * seconds) / 1e12,
                  "mfu": best["mfu"],
-                 "model_tflops": causal_model_flops_per_token(run.model) * run.training.global_batch * run.model.seq
+                 "model_tflops": memory.model_flops_per_token(parameter_counts(run.model)["active"], run.model.layers,
+                                                              run.model.hidden, run.model.seq)
+                 * run.training.global_batch * run.model.seq / (gpus * seconds) / 1e12,
+                 "causal_tflops": causal_model_flops_per_token(run.model) * run.training.global_batch * run.model.seq
                  / (gpus * seconds) / 1e12,
                  "tokens": run.training.global_batch * run.model.seq / (gpus * seconds)}[run.metric]
     return {"run": run, "row": best, "predicted": predicted, "ratio": predicted / run.published,

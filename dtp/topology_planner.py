@@ -55,6 +55,8 @@ class ModelShape:
     capacity_factor: float = 1.0
     name: str = ""
     kv_heads: int = 0  # grouped-query attention's K/V heads (0: as many as heads); only CP's K/V traffic uses it
+    shared_experts: int = 0  # of the top_k experts a token uses, those it uses on its own GPU (never dispatched)
+    max_nodes: int = 0  # node-limited routing: a token's routed experts on at most this many nodes (0: no limit)
 
     @property
     def is_moe(self) -> bool:
@@ -92,6 +94,8 @@ class Cluster:
     attention_ceiling: float = 0.8  # of the peak, a fused (flash) attention kernel reaches
     intra_node_efficiency: float = 1.0  # of the link rate, NCCL's collectives reach inside a node
     inter_node_efficiency: float = 1.0  # ... and between nodes
+    fp8_peak_flops: float = 0.0  # dense FP8 tensor-core peak (0: none), for Training.fp8_gemms
+    fp8_gemm_ceiling: float = 0.0  # of the FP8 peak, the best measured FP8 GEMMs with fine-grained scaling reach
 
     @property
     def gpus(self) -> int:
@@ -130,6 +134,17 @@ class Training:
     overlap_param_gather: bool = False  # roofline: ZeRO-1/2's weight all-gather under the next forward
     ep_overlap: bool = False  # roofline: two micro-batches' all-to-alls each under the other's compute
     tp_overlap: bool = True  # roofline: TP's backward collectives under the weight-gradient GEMMs
+    # How each practice is modelled (named, switchable; the chapter's page gives each one's source):
+    ep_dispatch: str = "capacity"  # "capacity": every routed copy, at capacity C, over the EP group's link;
+    # "node_limited": DeepSeek-V3's (model.max_nodes): one copy per chosen remote node over the inter-node
+    # link, forwarded over NVLink inside it (`moe_routing.node_limited_dispatch_copies`), both links at once
+    fp8_dispatch: bool = False  # EP: dispatch-direction all-to-alls in FP8 (with a float32 scale per 128 values)
+    fp8_gemms: bool = False  # roofline: the linear layers' GEMMs in FP8 (Cluster.fp8_*); attention, output in bf16
+    comm_sm_share: float = 0.0  # roofline: share of the SMs the communication kernels hold, lost to computation
+    cp_method: str = "ring"  # "ring" (K/V blocks passed under attention) or "allgather" (Llama 3: K/V gathered first)
+    balanced_stages: bool = False  # Llama 3: one layer fewer on the first and last stages, for the embedding and
+    # the output layer: the busiest stage holds ceil((L + 2)/p) layers and no output layer
+    pipeline_schedule: str = "1f1b"  # roofline: or "dualpipe" (DeepSeek-V3's bubble and PP overlap)
 
 
 @dataclass(frozen=True)
@@ -284,12 +299,18 @@ def expert_tokens_per_gpu(model: ModelShape, training: Training, layout: Planned
 
 
 def cp_bytes_per_layer(model: ModelShape, training: Training, layout: PlannedLayout) -> float:
-    """Bytes a GPU sends per layer and micro-batch for ring attention (dtp.context_parallel's
-    formulas): K/V blocks around the CP ring in forward (twice with full recomputation) and
-    backward, K/V and their gradients; each TP rank passes its own heads' K and V (width
-    kv_hidden/t) of the micro-batch's b·s tokens."""
+    """Bytes a GPU sends per layer and micro-batch for context parallelism (dtp.context_parallel's
+    formulas); each TP rank passes its own heads' K and V (width kv_hidden/t) of the micro-batch's
+    b·s tokens. "ring": K/V blocks around the CP ring in forward (twice with full recomputation)
+    and backward, K/V and their gradients; "allgather" (Llama 3): K/V all-gathered before each
+    forward's attention (kept for backward), dK/dV reduce-scattered after backward's."""
     tokens, kv_width, c, w = training.micro_batch * model.seq, model.kv_hidden / layout.tp, layout.cp, training.bytes_per_value
     forwards = 2 if training.recompute == "full" else 1
+    if training.cp_method == "allgather":
+        return (forwards * context_parallel.allgather_kv_bytes_per_layer(tokens, kv_width, c, w)
+                + context_parallel.allgather_kv_backward_bytes_per_layer(tokens, kv_width, c, w))
+    if training.cp_method != "ring":
+        raise ValueError(f"cp_method must be 'ring' or 'allgather', got {training.cp_method!r}")
     return (forwards * context_parallel.ring_bytes_per_layer(tokens, kv_width, c, w)
             + context_parallel.ring_backward_bytes_per_layer(tokens, kv_width, c, w))
 
@@ -308,7 +329,7 @@ def traffic_per_gpu(model: ModelShape, cluster: Cluster, training: Training, lay
     training = layout.training(training)
     t, p, e, m = layout.tp, layout.pp, layout.ep, layout.micro_batches
     b, s, h, w = training.micro_batch, model.seq, model.hidden, training.bytes_per_value
-    stage_layers = model.layers // p
+    stage_layers = planner_costs.busiest_stage_layers(model, training, p)
     forwards = 2 if training.recompute == "full" else 1  # full recomputation runs each forward twice
     passes = ("forward",) * forwards + ("backward",)
     counts = parameter_counts(model)
@@ -332,7 +353,16 @@ def traffic_per_gpu(model: ModelShape, cluster: Cluster, training: Training, lay
                                        model.top_k, model.capacity_factor)
         group = layout.expert_ep
         all_to_alls = moe.capacity_all_to_all_bytes(group, model.experts, capacity, h, w)  # 4 per layer
-        traffic["ep"] = stage_layers * m * all_to_alls * (2 * forwards + 2) / 4
+        # ... of which the shared experts' copies stay home
+        routed_share = 1 - model.shared_experts / model.top_k
+        traffic["ep"] = stage_layers * m * all_to_alls * (2 * forwards + 2) / 4 * routed_share
+        if training.ep_dispatch not in ("capacity", "node_limited"):
+            raise ValueError(f"ep_dispatch must be 'capacity' or 'node_limited', got {training.ep_dispatch!r}")
+        limited = training.ep_dispatch == "node_limited" and planner_costs.node_limited_ep_bytes(
+            model, cluster, training, layout)
+        if limited:  # "ep" the inter-node copies, "ep_intra" their forwarding over NVLink
+            traffic["ep"], traffic["ep_intra"] = (stage_layers * m * limited[key]
+                                                  for key in ("inter_node", "intra_node"))
         mlp_share = tp_per_layer / 2  # half of a layer's TP collectives belong to its MLP
         if layout.expert_tp > 1:
             # Tensor-parallel experts: the E·C rows a GPU received are all-gathered over the TP group
@@ -347,6 +377,8 @@ def traffic_per_gpu(model: ModelShape, cluster: Cluster, training: Training, lay
                                  cluster.gpus_per_node))
     if model.is_moe and layout.expert_tp == 1 and t > 1:
         links["ep"] = folded_group_link(t * e, cluster.gpus_per_node)
+    if "ep_intra" in traffic:
+        links["ep"], links["ep_intra"] = INTER_NODE, INTRA_NODE
     if layout.cp > 1:  # gradients are reduced over the dp·cp ranks: inside a node only if both groups are
         links["dp"] = INTRA_NODE if links["dp"] == links["cp"] == INTRA_NODE else INTER_NODE
     return {name: {"bytes": float(sent), "link": links[name]} for name, sent in traffic.items()}
@@ -378,12 +410,17 @@ def step_time(model: ModelShape, cluster: Cluster, training: Training, layout: P
       (2/3)·compute/m), split between dp and expert_dp in proportion.
     total = (compute + tp + ep)·(m + p - 1)/m + pp + max(0, dp + expert_dp - (2/3)·compute/m).
     `dp_hidden_under` replaces (2/3)·compute/m (the check uses it to name a slip).
-    With "roofline", dtp.planner_costs.roofline_step_time (its docstring states the model)."""
+    With "roofline", dtp.planner_costs.roofline_step_time (its docstring states the model).
+    Either way, node-limited dispatch's NVLink forwarding ("ep_intra") runs while its inter-node
+    copies arrive (DeepSeek-V3: "fully overlapped"): EP takes the longer of the two."""
     training = layout.training(training)
     traffic = traffic or traffic_per_gpu(model, cluster, training, layout)
     seconds = {name: entry["bytes"] / cluster.bandwidth(entry["link"]) for name, entry in traffic.items()}
     if training.cost_model == "roofline":
         seconds = {name: entry["bytes"] / cluster.achieved_bandwidth(entry["link"]) for name, entry in traffic.items()}
+    if "ep_intra" in seconds:  # node-limited dispatch: the NVLink forwarding runs while the IB copies arrive
+        seconds["ep"] = max(seconds["ep"], seconds.pop("ep_intra"))
+    if training.cost_model == "roofline":
         data_parallel = {name: (dp_sent_per_gpu(model, training, layout, name),
                                 cluster.achieved_bandwidth(traffic[name]["link"]))
                          for name in ("dp", "expert_dp") if name in traffic}

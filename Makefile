@@ -11,6 +11,9 @@ STAMP  := $(VENV)/.installed
 # every page execute again (dropping the first alone re-executes only the pages whose text changed).
 CACHE  := _build/.jupyter_cache _build/.doctrees
 # What the pages execute: when any of it changes, cached page outputs are stale.
+# The tests run in one process per core (at most 4), a test file at a time in each: a file's
+# fixtures (the browser, the graded course, a notebook's kernel) are set up once.
+PYTEST_WORKERS ?= -n auto --maxprocesses 4 --dist loadfile
 PAGE_INPUTS := $(shell find dtp grader -name '*.py') $(wildcard solutions/*.ipynb) requirements.txt
 
 .PHONY: book test browser release bench clean
@@ -42,7 +45,8 @@ test: $(STAMP) browser
 	rm -rf $(CACHE)    # every page executes again, so its numbers are fresh
 	$(MAKE) book
 	$(BIN)/python -m grader.release --check
-	$(BIN)/python -m pytest tests solutions --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
+	$(BIN)/python -m pytest tests solutions --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
+		--nbval-kernel-startup-timeout 240 $(PYTEST_WORKERS)
 
 # For authors: re-run the solutions (storing their outputs) and rebuild notebooks/ from them.
 release: $(STAMP)

@@ -145,7 +145,7 @@ def execute_in_place(notebook_path: Path, timeout_s: int = 600) -> None:
     from nbclient import NotebookClient
 
     notebook = nbformat.read(notebook_path, as_version=4)
-    NotebookClient(notebook, timeout=timeout_s, kernel_name="python3",
+    NotebookClient(notebook, timeout=timeout_s, startup_timeout=240, kernel_name="python3",
                    resources={"metadata": {"path": str(notebook_path.parent)}}).execute()
     for cell in notebook.cells:
         cell.metadata.pop("execution", None)  # timestamps would make every run a diff

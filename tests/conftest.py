@@ -3,7 +3,11 @@ in-process through the public grading API, and process-tree inspection."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -14,6 +18,28 @@ SOLUTIONS, EXERCISES = REPO / "solutions", REPO / "notebooks"
 # chapter -> its notebook's file name, from the chapter each solution notebook names in its metadata
 CHAPTER_NOTEBOOKS = {nbformat.read(path, as_version=4).metadata["dtp"]["chapter"]: path.name
                      for path in sorted(SOLUTIONS.glob("*.ipynb"))}
+
+
+@contextlib.contextmanager
+def spinning_processes(count: int | None = None):
+    """CPU-bound processes, one per core (at least 2) unless `count` says otherwise: the load of a
+    laptop running other work or a shared CI machine. All of them are killed (their own process
+    group) when the block ends, also when a test in it fails."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+                for _ in range(count or max(2, os.cpu_count() or 2))]
+    try:
+        yield len(spinners)
+    finally:
+        for spinner in spinners:
+            os.killpg(spinner.pid, signal.SIGKILL)
+            spinner.wait()
+
+
+@pytest.fixture(scope="module")
+def busy_machine():
+    """One spinning process per core for the rest of the module (see `spinning_processes`)."""
+    with spinning_processes() as count:
+        yield count
 
 
 def solution_path(chapter: str) -> Path:

@@ -1,12 +1,17 @@
 """The contracts of DESIGN.md: solutions score full marks, untouched exercises zero, the CLI's
-exit codes and JSON report, and the in-notebook `check`."""
+exit codes and JSON report, and the in-notebook `check`.
+
+The course is graded while CPU-bound processes keep every core busy (a load of about twice the
+cores, as on the shared machine that once refused the course's own pipeline): verdicts must not
+depend on how busy the machine is, and a learner's laptop running other work must get the same
+verdicts as an idle one."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-from conftest import CHAPTER_NOTEBOOKS, EXERCISES, REPO, SOLUTIONS
+from conftest import CHAPTER_NOTEBOOKS, EXERCISES, REPO, SOLUTIONS, spinning_processes
 
 CHAPTERS = sorted(CHAPTER_NOTEBOOKS)
 
@@ -18,9 +23,10 @@ def run_cli(*args, **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def both_reports(tmp_path_factory):
-    """One CLI run over both folders, as an instructor would grade them."""
+    """One CLI run over both folders, as an instructor would grade them, on a busy machine."""
     report_path = tmp_path_factory.mktemp("report") / "report.json"
-    completed = run_cli(SOLUTIONS, EXERCISES, "--json", report_path)
+    with spinning_processes():
+        completed = run_cli(SOLUTIONS, EXERCISES, "--json", report_path)
     assert completed.returncode == 0, completed.stderr
     return completed, json.loads(report_path.read_text())
 
@@ -30,8 +36,9 @@ def test_solutions_score_full_marks(both_reports, chapter):
     _, report = both_reports
     notebook = next(nb for nb in report["notebooks"] if nb["path"] == str(SOLUTIONS / CHAPTER_NOTEBOOKS[chapter]))
     assert notebook["chapter"] == chapter
+    refused = [f"{ex['id']}: {ex['status']}: {ex['feedback']}" for ex in notebook["exercises"] if ex["status"] != "passed"]
+    assert not refused, "graded while every core was busy:\n" + "\n".join(refused)
     assert notebook["max_score"] > 0 and notebook["score"] == notebook["max_score"], notebook
-    assert all(ex["status"] == "passed" for ex in notebook["exercises"])
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)

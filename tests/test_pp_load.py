@@ -2,26 +2,19 @@
 what each rank did (its forwards, backwards, sends, receives and waits, in order) on a logical
 clock. The course's step passes while CPU-bound processes keep every core busy, and steps that
 wait needlessly are refused with the same diagnosis every time."""
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import grade, notebook_variant, solution_path
+from conftest import grade, notebook_variant, solution_path, spinning_processes
 from dtp.world import run_world
 
 
 @pytest.fixture
 def busy_machine():
     """A spinning process per core (at least 2): the load that made wall-clock verdicts fail."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(max(2, os.cpu_count() or 2))]
-    yield
-    for spinner in spinners:
-        spinner.send_signal(signal.SIGKILL)
-        spinner.wait()
+    with spinning_processes():
+        yield
 
 
 def test_the_measured_bubble_check_passes_while_every_core_is_busy(busy_machine):

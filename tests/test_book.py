@@ -63,7 +63,8 @@ def test_no_solution_is_published():
 PAGE_RESULTS = {
     "memory": (["124,439,808", "174,604,259,328"], True),  # parameter counts, checked against torch's numel
     "data_parallel": (["1,572,864"], True),  # 2(n-1)/n·S for n = 4, S = 1 MiB, measured beside the formula
-    "tensor_parallel": (["67,108,864"], True),  # the source notes' all-reduce: 4096 tokens × 8192 × 2 bytes
+    "tensor_parallel": (["2,048", "12,288"], False),  # a block's all-reduce, bsh·4 B, and 4·2(t-1)/t·S sent at t = 4
+    "tensor_parallel_practice": (["67,108,864"], True),  # the source notes' all-reduce: 4096 tokens × 8192 × 2 bytes
     "pipeline_parallel": (["9.86"], True),  # 7/71 for p = 8, m = 64, not 7/70
     "expert_parallel": (["46,702,792,704"], True),  # Mixtral's parameters, equal to torch's count
     "zero": (["120.0", "31.4", "16.6", "1.9"], True),  # the ZeRO paper's Figure 1 (7.5B, Nd = 64), in GB

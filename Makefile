@@ -41,12 +41,23 @@ browser:
 		{ apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; }; } \
 		|| { echo "the browser tests need Chromium: apt-get install chromium (as root)"; exit 1; }
 
+# The book builds (its pages execute one after another, on one core) while the tests that do not
+# read it run beside it; the tests of the built book (its numbers, and a browser over every page)
+# run once it is there. A failed build fails the target and prints its whole log.
+BOOK_TESTS := tests/test_book.py tests/test_browser.py
+PYTEST     := $(BIN)/python -m pytest $(PYTEST_WORKERS)
+
 test: $(STAMP) browser
 	rm -rf $(CACHE)    # every page executes again, so its numbers are fresh
-	$(MAKE) book
+	mkdir -p _build
 	$(BIN)/python -m grader.release --check
-	$(BIN)/python -m pytest tests solutions --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
-		--nbval-kernel-startup-timeout 240 $(PYTEST_WORKERS)
+	( $(MAKE) book > _build/book-build.log 2>&1; echo $$? > _build/book-build.status ) & \
+	$(PYTEST) tests solutions $(addprefix --ignore=,$(BOOK_TESTS)) --nbval --nbval-sanitize-with \
+		tests/nbval_sanitize.cfg --nbval-kernel-startup-timeout 240; tests=$$?; \
+	wait; \
+	if [ "$$(cat _build/book-build.status)" != 0 ]; then cat _build/book-build.log; echo "the book did not build"; exit 1; fi; \
+	tail -n 12 _build/book-build.log; \
+	$(PYTEST) $(BOOK_TESTS) || tests=1; exit $$tests
 
 # For authors: re-run the solutions (storing their outputs) and rebuild notebooks/ from them.
 release: $(STAMP)

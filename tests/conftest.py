@@ -22,11 +22,12 @@ CHAPTER_NOTEBOOKS = {nbformat.read(path, as_version=4).metadata["dtp"]["chapter"
 
 @contextlib.contextmanager
 def spinning_processes(count: int | None = None):
-    """CPU-bound processes, one per core (at least 2) unless `count` says otherwise: the load of a
-    laptop running other work or a shared CI machine. All of them are killed (their own process
-    group) when the block ends, also when a test in it fails."""
+    """CPU-bound processes, one per two cores unless `count` says otherwise: with the tests' other
+    worker processes (make test runs one per core) the machine has about twice as much to run as it
+    has cores, the load of a laptop running other work or of a shared CI machine. All of them are
+    killed (their own process group) when the block ends, also when a test in it fails."""
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-                for _ in range(count or max(2, os.cpu_count() or 2))]
+                for _ in range(count or max(1, (os.cpu_count() or 2) // 2))]
     try:
         yield len(spinners)
     finally:
@@ -37,7 +38,7 @@ def spinning_processes(count: int | None = None):
 
 @pytest.fixture(scope="module")
 def busy_machine():
-    """One spinning process per core for the rest of the module (see `spinning_processes`)."""
+    """Spinning processes for the rest of the module (see `spinning_processes`)."""
     with spinning_processes() as count:
         yield count
 

@@ -11,12 +11,11 @@ STAMP  := $(VENV)/.installed
 # every page execute again (dropping the first alone re-executes only the pages whose text changed).
 CACHE  := _build/.jupyter_cache _build/.doctrees
 # What the pages execute: when any of it changes, cached page outputs are stale.
-# The tests run in one process per core and one more (at most 5: many tests wait on processes they
-# started, so a core is never left idle for long), a test file at a time in each: a file's fixtures
-# (the graded course, a notebook's kernel) are set up once. The book's tests, which only read the
-# built pages, are spread test by test.
-WORKERS        := $(shell $(PYTHON) -c "import os; print(min((os.cpu_count() or 1) + 1, 5))")
-PYTEST_WORKERS ?= -n $(WORKERS) --dist loadfile
+# The tests run in one process per core (at most 4), a test file at a time in each: a file's
+# fixtures (the graded course, a notebook's kernel) are set up once. (A worker more than the cores
+# was not faster on 2 cores.) The book's tests, which only read the built pages, are spread test
+# by test.
+PYTEST_WORKERS ?= -n auto --maxprocesses 4 --dist loadfile
 PAGE_INPUTS := $(shell find dtp grader -name '*.py') $(wildcard solutions/*.ipynb) requirements.txt
 
 .PHONY: book test browser release bench clean

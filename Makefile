@@ -13,8 +13,7 @@ CACHE  := _build/.jupyter_cache _build/.doctrees
 # What the pages execute: when any of it changes, cached page outputs are stale.
 # The tests run in one process per core (at most 4), a test file at a time in each: a file's
 # fixtures (the graded course, a notebook's kernel) are set up once. (A worker more than the cores
-# was not faster on 2 cores.) The book's tests, which only read the built pages, are spread test
-# by test.
+# was not faster on 2 cores.)
 PYTEST_WORKERS ?= -n auto --maxprocesses 4 --dist loadfile
 PAGE_INPUTS := $(shell find dtp grader -name '*.py') $(wildcard solutions/*.ipynb) requirements.txt
 
@@ -59,7 +58,7 @@ test: $(STAMP) browser
 	wait; \
 	if [ "$$(cat _build/book-build.status)" != 0 ]; then cat _build/book-build.log; echo "the book did not build"; exit 1; fi; \
 	tail -n 12 _build/book-build.log; \
-	$(PYTEST) --dist load $(BOOK_TESTS) || tests=1; exit $$tests
+	$(PYTEST) $(BOOK_TESTS) || tests=1; exit $$tests
 
 # For authors: re-run the solutions (storing their outputs) and rebuild notebooks/ from them.
 release: $(STAMP)

@@ -256,8 +256,9 @@ def allgather_kv_bytes_per_layer(tokens, kv_hidden, c, dtype_bytes=2):
 def allgather_kv_backward_bytes_per_layer(tokens, kv_hidden, c, grad_bytes=2):
     """The backward's, for the all-gather method: every rank's attention backward gives gradients
     for all `tokens` keys and values, and a reduce-scatter sums each rank's share onto its owner
-    (the all-gather's adjoint): (c-1)/c of the full dK and dV, 2(c-1)/c·tokens·kv_hidden·bytes."""
-    return (c - 1) / c * 2 * tokens * kv_hidden * grad_bytes
+    (the all-gather's adjoint): (c-1)/c of the full dK and dV, 2(c-1)/c·tokens·kv_hidden·bytes,
+    the forward's volume."""
+    return allgather_kv_bytes_per_layer(tokens, kv_hidden, c, grad_bytes)
 
 
 def ulysses_bytes_per_layer(tokens, hidden, kv_hidden, c, dtype_bytes=2):

@@ -252,9 +252,8 @@ def memory_per_gpu(model: ModelShape, training: Training, layout: PlannedLayout,
     breakdown = calculator.memory_per_gpu(model.config, training.recipe, dense_layout, stage)
     counts, model_parallel = parameter_counts(model), layout.tp * layout.pp
     groups = [(counts["non_expert"] / model_parallel, layout.dp * layout.cp)]
-    if model.is_moe or layout.cp > 1:  # ZeRO shards over the dp·cp ranks that hold the same parameters
-        if model.is_moe:
-            groups.append((counts["experts"] / (model_parallel * layout.ep), layout.dp // layout.ep))
+    if model.is_moe:  # (a dense model's states, sharded over dp·cp, are dtp.calculator's already)
+        groups.append((counts["experts"] / (model_parallel * layout.ep), layout.dp // layout.ep))
         states = [zero.model_state_breakdown_per_gpu(n, d, layout.zero_stage, training.recipe) for n, d in groups]
         for component in zero.COMPONENTS:
             breakdown[component] = sum(state[component] for state in states)
@@ -415,14 +414,14 @@ def step_time(model: ModelShape, cluster: Cluster, training: Training, layout: P
     copies arrive (DeepSeek-V3: "fully overlapped"): EP takes the longer of the two."""
     training = layout.training(training)
     traffic = traffic or traffic_per_gpu(model, cluster, training, layout)
-    seconds = {name: entry["bytes"] / cluster.bandwidth(entry["link"]) for name, entry in traffic.items()}
-    if training.cost_model == "roofline":
-        seconds = {name: entry["bytes"] / cluster.achieved_bandwidth(entry["link"]) for name, entry in traffic.items()}
+    # the roofline model at what NCCL reaches on each link, the exercise's at the link's rate
+    rate = cluster.achieved_bandwidth if training.cost_model == "roofline" else cluster.bandwidth
+    seconds = {name: entry["bytes"] / rate(entry["link"]) for name, entry in traffic.items()}
     if "ep_intra" in seconds:  # node-limited dispatch: the NVLink forwarding runs while the IB copies arrive
         seconds["ep"] = max(seconds["ep"], seconds.pop("ep_intra"))
     if training.cost_model == "roofline":
         data_parallel = {name: (dp_sent_per_gpu(model, training, layout, name),
-                                cluster.achieved_bandwidth(traffic[name]["link"]))
+                                rate(traffic[name]["link"]))
                          for name in ("dp", "expert_dp") if name in traffic}
         parts = planner_costs.roofline_step_time(model, cluster, training, layout, seconds, data_parallel)
         parts["total"] = sum(parts.values())

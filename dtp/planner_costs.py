@@ -82,22 +82,23 @@ def forward_layer_seconds(model, cluster, training, layout) -> dict[str, float]:
     Attention stays in bf16 whatever the linear layers use; with `training.comm_sm_share`, the
     matrix products run on the SMs that communication kernels leave (DeepSeek-V3: 20 of 132)."""
     hbm = cluster.hbm_bytes_per_s
-    gemms = layer_gemms(model, training, layout)
-    times = [linear_gemm_seconds(m, n, k, batch, cluster, training) for m, n, k, batch in gemms]
-    times[2:4] = [gemm_seconds(m, n, k, cluster.peak_flops, hbm, cluster.gemm_ceiling, batch)
-                  for m, n, k, batch in gemms[2:4]]
-    if training.flash_attention:  # one fused kernel, at the share of the peak measured for it
-        times[2:4] = [2 * m * n * k * batch / (cluster.attention_ceiling * cluster.peak_flops)
-                      for m, n, k, batch in gemms[2:4]]
+
+    def attention_seconds(m, n, k, batch):  # QKᵀ and AV: bf16, or one fused kernel at its measured share
+        if training.flash_attention:
+            return 2 * m * n * k * batch / (cluster.attention_ceiling * cluster.peak_flops)
+        return gemm_seconds(m, n, k, cluster.peak_flops, hbm, cluster.gemm_ceiling, batch)
+
+    gemms = layer_gemms(model, training, layout)  # the projections, QKᵀ and AV, then the MLP or experts
+    times = [attention_seconds(*gemm) if index in (2, 3) else linear_gemm_seconds(*gemm, cluster, training)
+             for index, gemm in enumerate(gemms)]
     times = [time / (1 - training.comm_sm_share) for time in times]
     # the bytes a layer keeps on this GPU: without sequence parallelism the norms', dropouts' and
-    # residuals' work is repeated on every TP rank (Korthikanti et al. 2022's 10sbh)
-    kept = memory.activation_bytes_per_layer(model.seq // layout.cp, training.micro_batch, model.hidden, model.heads,
+    # residuals' work is repeated on every TP rank (Korthikanti et al. 2022's 10sbh); with context
+    # parallelism the s/c queries' rows against all s keys (dtp.memory's formula)
+    kept = memory.activation_bytes_per_layer(model.seq, training.micro_batch, model.hidden, model.heads,
                                              tensor_parallel=layout.tp, sequence_parallel=training.sequence_parallel,
-                                             recompute="selective" if training.flash_attention else "none")
-    if not training.flash_attention and layout.cp > 1:  # each query row still meets all s keys
-        kept += 5 * model.heads * (model.seq // layout.cp) * model.seq * training.micro_batch / layout.tp \
-            * (layout.cp - 1)
+                                             recompute="selective" if training.flash_attention else "none",
+                                             context_parallel=layout.cp)
     return {"gemm": sum(times), "attention_core": times[2] + times[3],
             "elementwise": ELEMENTWISE_PASSES * kept / hbm}
 

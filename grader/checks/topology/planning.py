@@ -63,31 +63,29 @@ def _planner_case(rng, moe: bool):
         return model, cluster, training
 
 
-def _links_tell_the_order(model, cluster, training) -> bool:
+def _links_differ_when_read_in(model, cluster, training, wrong_order) -> bool:
     """Whether some fitting layout sends bytes on a dimension whose link class differs when the
-    order is read the wrong way round (TP outermost): cases where it never does cannot catch it."""
+    layout's ranks are read in `wrong_order(layout)`: cases where none does cannot catch that slip."""
     candidates = {_layout_key(layout): layout for layout in planner.candidate_layouts(model, cluster, training)}
     for row in _plan(model, cluster, training):
         layout = candidates[_key(row)]
-        order = tuple(layout.order(model, training.pp_outermost))
-        misread = topology.dimension_links(layout.sizes(model), order[::-1], cluster.gpus_per_node)
+        misread = topology.dimension_links(layout.sizes(model), wrong_order(layout), cluster.gpus_per_node)
         if any(entry["bytes"] and entry["link"] != misread[name] for name, entry in row["traffic"].items()):
             return True
     return False
+
+
+def _links_tell_the_order(model, cluster, training) -> bool:
+    """The order read the wrong way round (TP outermost) changes some fitting layout's links."""
+    return _links_differ_when_read_in(model, cluster, training,
+                                      lambda layout: tuple(layout.order(model, training.pp_outermost))[::-1])
 
 
 def _links_tell_pp_from_dp(model, cluster, training) -> bool:
-    """Whether, with PP outermost, some fitting layout sends bytes on a dimension whose link
-    differs when the order is read as DP outermost: only such a case catches the order ignored."""
-    if not training.pp_outermost:
-        return False
-    candidates = {_layout_key(layout): layout for layout in planner.candidate_layouts(model, cluster, training)}
-    for row in _plan(model, cluster, training):
-        layout = candidates[_key(row)]
-        misread = topology.dimension_links(layout.sizes(model), layout.order(model, False), cluster.gpus_per_node)
-        if any(entry["bytes"] and entry["link"] != misread[name] for name, entry in row["traffic"].items()):
-            return True
-    return False
+    """With PP outermost, reading the order as DP outermost changes some fitting layout's links:
+    only such a case catches the order ignored."""
+    return training.pp_outermost and _links_differ_when_read_in(model, cluster, training,
+                                                                lambda layout: layout.order(model, False))
 
 
 def _layout_key(layout) -> tuple:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 
-from . import memory, moe_routing, overlap, pipeline
+from . import memory, moe_routing, overlap
 
 ELEMENTWISE_PASSES = 5  # forward: write + read; backward: read, write the gradient, read it
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb (gradient buckets reduced during backward)

@@ -142,20 +142,20 @@ def held_bytes(parameters, **roots) -> dict:
 
 # --- full weights and gradients over time -----------------------------------------------------
 
-_SETTLE_ATTEMPTS, _SETTLE_PAUSE_S = 50, 0.001
+_SETTLE_ATTEMPTS, SETTLE_PAUSE_S = 50, 0.001
 # Waiting for gloo to let go before an excess of units or a stale gradient counts: a few ms as a
 # rule; the bound is only reached by a rank that really kept them, and only once per run.
-_CONFIRM_ATTEMPTS = 2000
+CONFIRM_ATTEMPTS = 2000
 
 # c10d operations whose first argument receives data from other ranks.
-_RECEIVING = {"allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_coalesced_",
+RECEIVING = {"allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_coalesced_",
               "broadcast_", "allreduce_", "allreduce_coalesced_", "recv_", "recv_any_source_", "alltoall_",
               "alltoall_base_", "gather_", "scatter_"}
 # c10d operations that reduce-scatter their input (the second argument on).
 _REDUCE_SCATTERING = {"reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"}
 # aten operations that move values without computing new ones: their outputs are copies of inputs.
 # (Composite operations such as reshape, contiguous or pad reach a dispatch mode as these.)
-_MOVING = {"cat", "stack", "clone", "_to_copy", "copy", "copy_", "index_select", "index", "constant_pad_nd",
+MOVING = {"cat", "stack", "clone", "_to_copy", "copy", "copy_", "index_select", "index", "constant_pad_nd",
            "repeat", "flip", "roll", "gather", "take", "masked_select", "narrow_copy", "index_put", "index_put_",
            "index_copy", "index_copy_", "masked_scatter", "masked_scatter_", "view_copy", "t_copy", "transpose_copy",
            "permute_copy", "expand_copy", "slice_copy", "select_copy", "unbind_copy", "split_copy",
@@ -277,10 +277,10 @@ class FullTensorTracker(TorchDispatchMode):
     def _settle(self, excess) -> None:
         """Wait for gloo's worker to let go while `excess()` is true; give up for good (and stop
         waiting in later calls) if it outlives the wait."""
-        for _ in range(_CONFIRM_ATTEMPTS):
+        for _ in range(CONFIRM_ATTEMPTS):
             if not excess():
                 return
-            time.sleep(_SETTLE_PAUSE_S)
+            time.sleep(SETTLE_PAUSE_S)
         self._confirmed = excess()
 
     def sample(self) -> None:
@@ -313,7 +313,7 @@ class FullTensorTracker(TorchDispatchMode):
         for _ in range(_SETTLE_ATTEMPTS):
             if alive == 0:
                 break
-            time.sleep(_SETTLE_PAUSE_S)
+            time.sleep(SETTLE_PAUSE_S)
             alive = self._alive_bytes(refs)
         return alive
 
@@ -339,10 +339,10 @@ class FullTensorTracker(TorchDispatchMode):
             self._register_gradients()  # a gradient set since the last operation is followed from its first use
         out = func(*args, **kwargs)
         namespace, name = func.namespace, func.overloadpacket.__name__
-        if namespace == "c10d" and name in _RECEIVING and args:
+        if namespace == "c10d" and name in RECEIVING and args:
             self._gathers += 1
             self._mark(self.full, args[0], frozenset([self._gathers]))
-        elif (namespace == "aten" and name in _MOVING) or (namespace, name) in _MOVING_ELSEWHERE:
+        elif (namespace == "aten" and name in MOVING) or (namespace, name) in _MOVING_ELSEWHERE:
             in_place = name.endswith("_")
             sources = tree_leaves((args[1:] if in_place else args, {k: v for k, v in kwargs.items() if k != "out"}))
             tags = self._tags(self.full, [t for t in sources if isinstance(t, torch.Tensor)])

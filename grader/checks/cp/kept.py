@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dtp.zero_measure import _CONFIRM_ATTEMPTS, _MOVING, _RECEIVING, _SETTLE_PAUSE_S
+from dtp.zero_measure import CONFIRM_ATTEMPTS, MOVING, RECEIVING, SETTLE_PAUSE_S
 
 _OVERWRITING = {"copy_", "fill_", "zero_"}  # in-place operations that replace every element they write
 
@@ -79,15 +79,15 @@ class ReceivedKept(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         namespace, name = func.namespace, func.overloadpacket.__name__
-        if namespace == "c10d" and name in _RECEIVING and args:
+        if namespace == "c10d" and name in RECEIVING and args:
             for tensor in _tensors(args[0]):
                 tag = len(self.sizes) + 1
                 self.sizes[tag] = tensor.numel() * tensor.element_size()
                 self._write(tensor, {tag}, overwrite=True)
-        elif namespace == "aten" and (name in _MOVING or name in _OVERWRITING):
+        elif namespace == "aten" and (name in MOVING or name in _OVERWRITING):
             in_place = name.endswith("_")
             sources = _tensors((args[1:] if in_place else args, {k: v for k, v in kwargs.items() if k != "out"}))
-            tags = self._tags(sources) if name in _MOVING else set()
+            tags = self._tags(sources) if name in MOVING else set()
             if in_place and args and isinstance(args[0], torch.Tensor) and (tags or name in _OVERWRITING):
                 self._write(args[0], tags, overwrite=name in _OVERWRITING)
             elif not in_place and tags:
@@ -109,9 +109,9 @@ class ReceivedKept(TorchDispatchMode):
     def settled(self) -> int:
         """The bytes kept now; over the limit, only once gloo has had time to let go."""
         if not self.confirmed and self.received_bytes_kept() > self.limit:
-            for _ in range(_CONFIRM_ATTEMPTS):
+            for _ in range(CONFIRM_ATTEMPTS):
                 if self.received_bytes_kept() <= self.limit:
                     break
-                time.sleep(_SETTLE_PAUSE_S)
+                time.sleep(SETTLE_PAUSE_S)
             self.confirmed = self.received_bytes_kept() > self.limit
         return self.received_bytes_kept()

@@ -26,7 +26,10 @@ def spinning_processes(count: int | None = None):
     worker processes (make test runs one per core) the machine has about twice as much to run as it
     has cores, the load of a laptop running other work or of a shared CI machine. All of them are
     killed (their own process group) when the block ends, also when a test in it fails."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    # Each spinner also dies with the test process (dtp.processes.die_with_parent): a test run
+    # killed outright once left one spinning for an hour.
+    spin = f"from dtp.processes import die_with_parent\ndie_with_parent({os.getpid()})\nwhile True: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin], start_new_session=True)
                 for _ in range(count or max(1, (os.cpu_count() or 2) // 2))]
     try:
         yield len(spinners)

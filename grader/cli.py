@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from . import landlock
+from .interrupts import raise_interrupt_once
 from .notebook import UnusableInput, read_course_notebook
 from .registry import find_exercise
 from .report import format_table, write_json
@@ -53,8 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt
+def _handle_interrupts() -> None:
+    """SIGTERM, and Ctrl-C, unwind once as KeyboardInterrupt, so that the sandboxes' clean-up runs
+    and no process is left behind. A grader started with Ctrl-C ignored (under nohup, or as a
+    shell script's background job) keeps ignoring it, as every program does."""
+    signal.signal(signal.SIGTERM, raise_interrupt_once)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, raise_interrupt_once)
 
 
 @contextlib.contextmanager
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 def _grade_class(args) -> int:
     from .classroom import default_workers, grade_class
 
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    _handle_interrupts()
     make_undumpable()
     try:
         if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
@@ -144,8 +150,7 @@ def _grade_class(args) -> int:
 
 
 def _grade(args) -> int:
-    # SIGTERM unwinds like Ctrl-C, so the sandboxes' cleanup runs and no process is left behind.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    _handle_interrupts()
     # Learner code runs as this user: it must not reach this process's stdout or memory through /proc.
     make_undumpable()
     try:

@@ -12,7 +12,7 @@ from dtp.world import import_lazy_torch_modules
 
 from . import guard, landlock
 from .compare import CheckFailed
-from .notebook import UnusableInput, extract_definitions, read_course_notebook
+from .notebook import NotebookCode, UnusableInput, read_course_notebook
 from .registry import Exercise, chapter_exercises
 from .report import ExerciseResult, NotebookReport, one_line
 from .sandbox import run_isolated
@@ -191,13 +191,16 @@ def grade_notebook(path: str, only: list[str] | None = None, timeout_s: float | 
         exercises = [ex for ex in exercises if ex.id in only]
         if not exercises:
             raise UnusableInput(f"{path}: none of the --only exercises belongs to its chapter, {chapter}")
-    definitions = extract_definitions(notebook, {name for ex in exercises for name in ex.reads})
-    preload_library_imports(definitions)
+    code = NotebookCode.parse(notebook)
+    preload_library_imports(code.definitions({name for ex in exercises for name in ex.reads}))
     if any(exercise.check.runs_world for exercise in exercises):
         import_lazy_torch_modules()  # once here, so that no sandbox or rank forked from this process imports them
     report = NotebookReport(path=str(path), chapter=chapter)
     workdir = str(Path(path).resolve().parent)  # where the learner's kernel would have run
     for exercise in exercises:
-        report.add(grade_exercise(exercise, lambda: StudentCode.from_definitions(definitions, as_main=True), timeout_s, workdir))
+        # Only what this exercise reads, and the statements that provide it (grader/notebook.py).
+        definitions = code.definitions(exercise.reads)
+        report.add(grade_exercise(exercise, lambda definitions=definitions: StudentCode.from_definitions(definitions, as_main=True),
+                                  timeout_s, workdir))
     report.elapsed_s = round(time.monotonic() - started, 3)
     return report

@@ -295,9 +295,14 @@ def _globals_read(node: ast.stmt) -> set[str]:
 
 
 def _graded_statements(nodes: list[tuple[int, ast.stmt]], graded_names: frozenset[str]) -> list[tuple[int, ast.stmt]]:
-    """Definitions, and the statements that bind or change what the checks or they (transitively) read."""
+    """Imports and definitions (running a `def` costs nothing), and the statements that bind or
+    change a needed name. Needed are the graded names, and what a needed statement reads when it
+    runs or its functions are called: a function no graded name reaches adds nothing, so a call
+    that only feeds another exercise's answer (`ratio = plan(...)`) is not run for this one."""
     kept = {i for i, (_, node) in enumerate(nodes) if isinstance(node, _ALWAYS_KEPT)}
-    needed: set[str] = set(graded_names).union(*(_globals_read(nodes[i][1]) for i in kept))
+    # No graded names (the book loading a solution): every definition is needed.
+    needed: set[str] = set(graded_names) or {name for i in kept for name in _defined_names(nodes[i][1])}
+    read: set[int] = set()  # kept statements whose reads are already in `needed`
     modules = frozenset(name for _, node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))
                         for name in _defined_names(node))
     functions = {node.name: node for _, node in nodes if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
@@ -306,14 +311,17 @@ def _graded_statements(nodes: list[tuple[int, ast.stmt]], graded_names: frozense
         *(effects[f].globals for f in _names_called(node) if f in effects),
         _names_passed_to_mutators(node, functions, effects) - modules) for _, node in nodes]
     grew = True
-    while grew:  # a kept statement may read names that only another statement provides
+    while grew:  # a needed statement may read names that only another statement provides
         grew = False
-        for i, (_, node) in enumerate(nodes):
-            if i in kept:
-                continue
-            if changes[i] & needed:
+        for i in sorted(kept - read):
+            if isinstance(nodes[i][1], _ALWAYS_KEPT) and not set(_defined_names(nodes[i][1])) & needed:
+                continue  # a definition nothing needed reaches (yet)
+            read.add(i)
+            needed |= _globals_read(nodes[i][1])
+            grew = True
+        for i in range(len(nodes)):
+            if i not in kept and changes[i] & needed:
                 kept.add(i)
-                needed |= _globals_read(node)
                 grew = True
     return [nodes[i] for i in sorted(kept)]
 
@@ -334,19 +342,36 @@ def _python_source(cell_source: str) -> str:
     return TransformerManager().transform_cell(cell_source)
 
 
+@dataclass
+class NotebookCode:
+    """A notebook's top-level statements, parsed once; `definitions` picks what one set of graded
+    names needs, so that each exercise's sandbox runs only its own answers' set-up (an answer
+    variable of another exercise, say `ratio = planner(...)`, is not recomputed for it)."""
+    top_level: list[tuple[int, ast.stmt]] = field(default_factory=list)
+    syntax_errors: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, notebook: "nbformat.NotebookNode") -> "NotebookCode":
+        code = cls()
+        for index, cell in enumerate(notebook.cells):
+            if cell.cell_type != "code" or not cell.source.strip():
+                continue
+            try:
+                tree = ast.parse(_python_source(cell.source), filename=f"<notebook cell {index}>")
+            except SyntaxError as exc:
+                code.syntax_errors[index] = f"line {exc.lineno}: {exc.msg}"
+                continue
+            code.top_level.extend((index, node) for node in tree.body)
+        return code
+
+    def definitions(self, graded_names=frozenset()) -> Definitions:
+        """The statements to run for grading; `graded_names` are the names the checks will read."""
+        found = Definitions(syntax_errors=dict(self.syntax_errors))
+        for index, node in _graded_statements(self.top_level, frozenset(graded_names)):
+            found.statements.append(Definition(index, node, _defined_names(node)))
+        return found
+
+
 def extract_definitions(notebook: "nbformat.NotebookNode", graded_names=frozenset()) -> Definitions:
     """The statements to run for grading; `graded_names` are the names the checks will read."""
-    found = Definitions()
-    top_level: list[tuple[int, ast.stmt]] = []
-    for index, cell in enumerate(notebook.cells):
-        if cell.cell_type != "code" or not cell.source.strip():
-            continue
-        try:
-            tree = ast.parse(_python_source(cell.source), filename=f"<notebook cell {index}>")
-        except SyntaxError as exc:
-            found.syntax_errors[index] = f"line {exc.lineno}: {exc.msg}"
-            continue
-        top_level.extend((index, node) for node in tree.body)
-    for index, node in _graded_statements(top_level, frozenset(graded_names)):
-        found.statements.append(Definition(index, node, _defined_names(node)))
-    return found
+    return NotebookCode.parse(notebook).definitions(graded_names)

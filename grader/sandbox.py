@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from dtp.processes import die_with_parent
 
 from . import landlock, transport
+from .interrupts import interrupts_deferred, let_interrupts_through
 
 _PR_SET_DUMPABLE, _PR_CAPBSET_DROP = 4, 24
 _PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER = 38, 36
@@ -227,6 +228,7 @@ def _warden_main(task, to_grader, scratch_dir, workdir, grader_pid, timeout_s, r
     try:
         signal.signal(signal.SIGTERM, _raise_stop)  # the grader gives up (Ctrl-C, its own limit)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the grader's to handle
+        let_interrupts_through()  # started with them held (run_isolated)
         die_with_parent(grader_pid, signal.SIGTERM)  # a killed grader still gets a clean-up
         make_undumpable()
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
@@ -301,9 +303,10 @@ def run_isolated(task, timeout_s: float, workdir: str | None = None) -> ChildOut
     rules = landlock.sandbox_rules(workdir or os.getcwd(), scratch_dir) if landlock.abi_version() else None
     warden = context.Process(target=_warden_main, daemon=False,
                              args=(task, writer, scratch_dir, workdir, os.getpid(), timeout_s, rules))
-    warden.start()
-    writer.close()
     try:
+        with interrupts_deferred():  # a Ctrl-C now is raised once the `finally` below knows the warden
+            warden.start()
+            writer.close()
         if not reader.poll(timeout_s + _WARDEN_SLACK_S):
             return ChildOutcome("timeout")
         header = json.loads(reader.recv_bytes(4096))
@@ -323,11 +326,13 @@ def run_isolated(task, timeout_s: float, workdir: str | None = None) -> ChildOut
     except (EOFError, OSError, ValueError):
         return ChildOutcome("crashed")
     finally:
-        if warden.is_alive():
-            warden.terminate()  # SIGTERM: the warden kills the sandbox and all below, then exits
-            warden.join(10)
-        if warden.is_alive():
-            warden.kill()
-        warden.join()
+        if warden.pid is not None:  # started
+            if warden.is_alive():
+                warden.terminate()  # SIGTERM: the warden kills the sandbox and all below, then exits
+                warden.join(10)
+            if warden.is_alive():
+                warden.kill()
+            warden.join()
+        writer.close()
         reader.close()
         shutil.rmtree(scratch_dir, ignore_errors=True)

@@ -39,6 +39,14 @@ def spinning_processes(count: int | None = None):
             spinner.wait()
 
 
+def ctrl_c_as_in_a_terminal() -> None:
+    """`preexec_fn` for a child that a test interrupts with SIGINT: Ctrl-C reaches it as it reaches
+    a program run from a terminal. Without it the child inherits the test run's disposition, and a
+    test run started as a background job (`make test &`, a CI runner) ignores SIGINT: so would the
+    child, as Python (and every program) keeps an ignored Ctrl-C ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture(scope="module")
 def busy_machine():
     """Spinning processes for the rest of the module (see `spinning_processes`)."""

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from conftest import REPO, grade, live_processes_with_marker, solution_path
+from conftest import REPO, ctrl_c_as_in_a_terminal, grade, live_processes_with_marker, solution_path
 
 RING_TIME_OK = "dp.ring_time"
 
@@ -138,19 +138,46 @@ def test_ctrl_c_stops_everything(tmp_notebook, tmp_path):
     marker, private_tmp = uuid.uuid4().hex, tmp_path / "tmp"
     private_tmp.mkdir()
     env = {**os.environ, "DTP_TEST_MARKER": marker, "TMPDIR": str(private_tmp)}
-    grader = subprocess.Popen([sys.executable, "-m", "grader", str(path), "--only", "dp.ring_allreduce_gloo"],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(live_processes_with_marker(marker)) < 4 and time.monotonic() < deadline:  # grader, sandbox, 2 ranks
+    # A time limit far beyond the test's: the grading can only end by the SIGINT.
+    grader = subprocess.Popen([sys.executable, "-m", "grader", str(path), "--only", "dp.ring_allreduce_gloo",
+                               "--timeout", "3600"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=ctrl_c_as_in_a_terminal)
+    deadline = time.monotonic() + 240
+    while len(live_processes_with_marker(marker)) < 5 and time.monotonic() < deadline:  # grader, warden, sandbox, 2 ranks
         time.sleep(0.2)
-    assert len(live_processes_with_marker(marker)) >= 4
+    assert len(live_processes_with_marker(marker)) >= 5
     grader.send_signal(signal.SIGINT)
-    _, stderr = grader.communicate(timeout=30)
+    _, stderr = grader.communicate(timeout=120)  # a bound for a hang, not a speed: it takes a second or two
     assert grader.returncode == 130
     assert stderr.strip().splitlines() == ["grader: interrupted; nothing was left running"]
-    time.sleep(0.5)
-    assert live_processes_with_marker(marker) == []
+    assert live_processes_with_marker(marker) == []  # the grader waited for its warden, which reaped the rest
     assert os.listdir(private_tmp) == []
+
+
+def test_ctrl_c_just_after_the_fork_of_a_warden_is_not_lost(monkeypatch):
+    """A Ctrl-C that lands inside Process.start(), once the child exists but before run_isolated's
+    `try` holds it, used to leave that warden (and its sandbox) running to the time limit, with the
+    grader waiting for it at exit. The interrupt is now held until the `try` is armed."""
+    import multiprocessing.context
+
+    from grader.sandbox import descendants, kill_descendants, run_isolated
+
+    started = multiprocessing.context.ForkProcess.start
+
+    def start_then_interrupt(process):
+        started(process)
+        os.kill(os.getpid(), signal.SIGINT)  # delivered by the time start() returns, as a Ctrl-C would be
+
+    monkeypatch.setattr(multiprocessing.context.ForkProcess, "start", start_then_interrupt)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_isolated(lambda: time.sleep(3600), timeout_s=3600)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        left = descendants(os.getpid())
+        kill_descendants()  # so that a failure here does not leave pytest waiting for them at exit
+    assert left == []
 
 
 def test_two_graders_at_once(tmp_path):
@@ -207,8 +234,9 @@ def test_killing_the_grader_outright_still_ends_its_sandboxes_and_ranks(tmp_note
     """SIGKILL leaves the grader no chance to clean up: the kernel ends the children for it."""
     path = tmp_notebook("dp", {"ring_all_reduce": "def ring_all_reduce(tensor):\n    while True:\n        pass\n"})
     marker = uuid.uuid4().hex
-    grader = subprocess.Popen([sys.executable, "-m", "grader", str(path), "--only", "dp.ring_allreduce_gloo"],
-                              cwd=REPO, env={**os.environ, "DTP_TEST_MARKER": marker},
+    # A time limit far beyond the test's: the grading can only end by the SIGINT.
+    grader = subprocess.Popen([sys.executable, "-m", "grader", str(path), "--only", "dp.ring_allreduce_gloo",
+                               "--timeout", "3600"], cwd=REPO, env={**os.environ, "DTP_TEST_MARKER": marker},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while len(live_processes_with_marker(marker)) < 4 and time.monotonic() < deadline:  # grader, sandbox, 2 ranks

@@ -20,7 +20,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import EXERCISES, REPO, CHAPTER_NOTEBOOKS, live_processes_with_marker, solution_path
+from conftest import EXERCISES, REPO, CHAPTER_NOTEBOOKS, ctrl_c_as_in_a_terminal, live_processes_with_marker, solution_path
 
 MEMORY = ["memory.param_count", "memory.model_states", "memory.activations", "memory.training_time", "memory.interview"]
 POINTS = {"memory.param_count": 3, "memory.model_states": 2, "memory.activations": 2, "memory.training_time": 2,
@@ -174,29 +174,47 @@ def test_rerun_grades_only_changed_notebooks_and_regrade_grades_all(graded_class
                                                  "max total", "notes"]
 
 
+GATE = ".open"  # a hidden file: the class command skips it; the sandbox may read the notebook's folder
+
+
+def waits_for_the_gate(source: str) -> str:
+    """A right answer that first waits until the test opens the gate: its grading cannot finish, on
+    a fast machine or a slow one, before the test has interrupted the class."""
+    return source.replace("def gpt_parameter_count(config):\n",
+                          "def gpt_parameter_count(config):\n    import os, time\n"
+                          f"    while not os.path.exists({GATE!r}):\n        time.sleep(0.01)\n", 1)
+
+
 def test_an_interrupted_class_keeps_its_finished_notebooks_and_the_rerun_completes_them(tmp_path):
     submissions = tmp_path / "submissions"
-    for number in range(4):
-        write(memory_notebook(), submissions / f"student{number}.ipynb")
+    write(memory_notebook(), submissions / "student0.ipynb")
+    for number in range(1, 4):
+        write(memory_notebook(waits_for_the_gate), submissions / f"student{number}.ipynb")
+    assert "while not os.path.exists" in (submissions / "student1.ipynb").read_text()
     results, marker = tmp_path / "results", uuid.uuid4().hex
     env = {**os.environ, "DTP_TEST_MARKER": marker, "PYTHONPATH": str(REPO)}
-    # Its own session, so that the SIGINT below reaches it and its workers as a Ctrl-C would.
+    # Its own session, so that the SIGINT below reaches it and its workers as a Ctrl-C would. One
+    # job at a time, in name order: student0 is graded and cached, then student1 waits at the gate
+    # (a time limit far beyond the test's, so that waiting can only end by the SIGINT).
     run = subprocess.Popen([sys.executable, "-m", "grader", "class", str(submissions), "--out", str(results),
-                            "--jobs", "1"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
+                            "--jobs", "1", "--timeout", "3600"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           preexec_fn=ctrl_c_as_in_a_terminal)
     deadline = time.monotonic() + 240
     while not list((results / "cache").glob("*.json")) and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert run.poll() is None, run.communicate()
     os.killpg(run.pid, signal.SIGINT)
     stdout, stderr = run.communicate(timeout=120)
     assert run.returncode == 130, (stdout, stderr)
     assert "interrupted" in stderr and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert live_processes_with_marker(marker) == []
     kept = [json.loads(path.read_text()) for path in (results / "cache").glob("*.json")]
-    assert 1 <= len(kept) < 4 and all(entry["report"]["score"] == 11 for entry in kept)
+    assert len(kept) == 1 and kept[0]["report"]["score"] == 11, kept
     assert not list((results / "cache").glob(".*.tmp"))
-    rerun = cli("class", submissions, "--out", results)
-    assert rerun.returncode == 0 and f"grading {4 - len(kept)} notebook(s)" in rerun.stdout, rerun.stdout
+    (submissions / GATE).touch()
+    rerun = cli("class", submissions, "--out", results, "--timeout", "3600")  # the same options: the cache is reused
+    assert rerun.returncode == 0 and "grading 3 notebook(s)" in rerun.stdout, rerun.stdout
     assert [row["total"] for row in gradebook(results).values()] == ["11"] * 4
 
 

@@ -1,5 +1,7 @@
 """Which statements of a learner's notebook the grader runs: definitions and what they need,
 never the experiments around them."""
+import ast
+
 import nbformat
 
 from grader.notebook import extract_definitions
@@ -98,3 +100,15 @@ def test_a_call_that_mutates_only_what_nothing_reads_is_still_left_out():
                         "def f(x):\n    return 2 * x", graded=("f",))
     assert kept == ["import matplotlib.pyplot as plt", "def draw(ax, xs):\n    ax.plot(xs)",
                     "def record(table, key):\n    table[key] = 1", "def f(x):\n    return 2 * x"]
+
+
+def test_an_answer_of_another_exercise_is_not_run_for_this_one():
+    """Each exercise's sandbox runs only what its own graded names reach: the topology notebook's
+    interview answer runs the whole planner (through the learner's parallel_groups, on worlds of
+    thousands of ranks), and once made the rank-layout exercise time out."""
+    cells = ("def groups(n):\n    return [list(range(n))]",
+             "def ratio(n):\n    if not hasattr(ratio, 'best'):\n        ratio.best = len(groups(n * 1000))\n    return n / ratio.best",
+             "print(ratio(8))", "answer = ratio(4)")
+    assert kept_sources(*cells, graded=("groups",)) == [cells[0], ast.unparse(ast.parse(cells[1]))]
+    assert kept_sources(*cells, graded=("answer",))[-1] == "answer = ratio(4)"
+    assert "print(ratio(8))" in kept_sources(*cells, graded=("ratio",))  # it fills ratio.best, which ratio reads

@@ -1,4 +1,6 @@
 """notebooks/ is exactly what the release command makes from solutions/."""
+import re
+
 import nbformat
 import pytest
 
@@ -57,3 +59,26 @@ def test_unbalanced_markers_are_an_error():
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("### BEGIN SOLUTION\nx = 1\n")])
     with pytest.raises(ValueError, match="unbalanced"):
         ReplaceSolutions()(notebook)
+
+
+# Rounding noise: a float printed to its last bits (1.1920928955078125e-07, 0.30000000000000004), or any
+# number at float32's resolution or below (1e-06 and smaller). Such a stored output matches only the machine and
+# thread timing that produced it, and nbval fails it elsewhere.
+ROUNDING_NOISE = re.compile(r"\d(\.\d+)?e-(0[6-9]|[1-9]\d)\b|\d\.\d{5,}e-05\b|\d\.\d{10,}")
+
+
+@pytest.mark.parametrize("solution", sorted(SOLUTIONS.glob("*.ipynb")), ids=lambda p: p.name)
+def test_stored_outputs_print_no_rounding_noise(solution):
+    for index, cell in enumerate(nbformat.read(solution, as_version=4).cells):
+        for output in cell.get("outputs", []):
+            text = output.get("text") or output.get("data", {}).get("text/plain", "")
+            noise = ROUNDING_NOISE.search(text)
+            assert noise is None, (f"cell {index} stores {noise.group(0)!r}: print a bound or a rounded value "
+                                   "that cannot flip between machines")
+
+
+def test_the_rounding_noise_pattern_catches_what_it_is_for():
+    assert ROUNDING_NOISE.search("per rank: [1.4901161193847656e-07, 0.0]")
+    assert ROUNDING_NOISE.search("loss 0.30000000000000004")
+    assert ROUNDING_NOISE.search("largest difference 2e-07")
+    assert not ROUNDING_NOISE.search("gradient [ 3.4e-04  5.0e-05 ] and 0.01615, below 1e-5, 2.5e+10")

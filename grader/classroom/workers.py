@@ -23,6 +23,7 @@ from pathlib import Path
 
 from dtp.processes import die_with_parent
 
+from ..interrupts import interrupts_deferred, let_interrupts_through, raise_interrupt_once
 from ..notebook import UnusableInput
 
 
@@ -73,10 +74,6 @@ def grade_one(path: str, only: list[str] | None, timeout_s: float | None) -> dic
             "unconfined": landlock.unavailable_reason()}
 
 
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 # How a worker and the class process talk. Every sandbox a worker forks inherits the worker's
 # descriptors, and the learner's code in it can write to any of them, Landlock or not. So nothing
 # that comes from a worker is believed: its one byte on `done` only says "look now", and the
@@ -87,8 +84,9 @@ def _raise_keyboard_interrupt(signum, frame):
 def _worker_main(jobs_fd: int, done_fd: int, foreign_fds: list[int], parent_pid: int, cache_folder: str,
                  run: str, only, timeout_s) -> None:
     die_with_parent(parent_pid, signal.SIGTERM)  # a class process killed outright still stops its workers
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # unwinds through the sandboxes' clean-up
-    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, raise_interrupt_once)  # unwinds through the sandboxes' clean-up
+    signal.signal(signal.SIGINT, raise_interrupt_once)
+    let_interrupts_through()  # started with them held (start_worker)
     sys.dont_write_bytecode = True  # no __pycache__ beside a student's helper module
     for fd in foreign_fds:
         os.close(fd)
@@ -164,8 +162,9 @@ def grade_in_parallel(jobs: list[Job], workers: int, only, timeout_s, on_result,
     pool: list[_Worker] = []
 
     def start_worker() -> _Worker:
-        worker = _Worker(context, pool, cache, run, only, timeout_s)
-        pool.append(worker)
+        with interrupts_deferred():  # a Ctrl-C waits until the pool, which the `finally` stops, holds it
+            worker = _Worker(context, pool, cache, run, only, timeout_s)
+            pool.append(worker)
         return worker
 
     try:

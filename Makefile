@@ -45,7 +45,7 @@ browser:
 # The book builds (its pages execute one after another, on one core) while the tests that do not
 # read it run beside it; the tests of the built book (its numbers, and a browser over every page)
 # run once it is there. A failed build fails the target and prints its whole log.
-BOOK_TESTS := tests/test_book.py tests/test_browser.py
+BOOK_TESTS := tests/book/test_book.py tests/book/test_browser.py
 PYTEST     := $(BIN)/python -m pytest $(PYTEST_WORKERS)
 
 test: $(STAMP) browser

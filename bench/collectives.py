@@ -31,10 +31,10 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dtp import costs  # noqa: E402
-from dtp.ddp_observed import exposed_communication  # noqa: E402
-from dtp.measure import all_reduce_times  # noqa: E402
-from dtp.world import run_world  # noqa: E402
+from dtp.dp import costs  # noqa: E402
+from dtp.dp.ddp_observed import exposed_communication  # noqa: E402
+from dtp.common.measure import all_reduce_times  # noqa: E402
+from dtp.common.world import run_world  # noqa: E402
 
 OUTPUT = REPO / "book" / "appendix" / "benchmarks.json"
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
@@ -108,7 +108,7 @@ def ring_against_gloo(world_size: int, size: int, repeats: int) -> dict:
 
 
 def _per_parameter_on_rank(rank, world_size, widths, steps, average):
-    from dtp.models import tiny_mlp
+    from dtp.common.models import tiny_mlp
 
     model = tiny_mlp(widths, seed=0)
     inputs = torch.randn(16, widths[0])

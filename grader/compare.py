@@ -1,4 +1,5 @@
-"""Assertions for checks, each failing with feedback a learner can act on."""
+"""Assertions for checks, each failing with feedback a learner can act on, and what a failed gloo
+world of the learner's ranks tells them (`world_failure`, `RanksFailed`)."""
 from __future__ import annotations
 
 import decimal
@@ -10,6 +11,30 @@ import torch
 
 class CheckFailed(AssertionError):
     """The learner's answer is wrong; the message says how."""
+
+
+class RanksFailed(Exception):
+    """Raised by a judge for a gloo world whose ranks failed in the sandbox (raised, deadlocked,
+    hit `raise NotImplementedError`): the exercise gets that status, not "failed"."""
+
+    def __init__(self, status: str, feedback: str):
+        super().__init__(feedback)
+        self.status = status
+
+
+def world_failure(world) -> tuple[str, str]:
+    """(status, feedback) for a gloo world whose ranks failed."""
+    if world.exc_type == "NotImplementedError":
+        return "missing", "not implemented yet: a rank hit `raise NotImplementedError`"
+    if world.exc_type == "UsesCourseReference":
+        return "reference", str(world).split("UsesCourseReference: ", 1)[-1]
+    if world.exc_type == "CheckFailed":
+        return "failed", str(world).split("CheckFailed: ", 1)[-1]
+    if world.exc_type == "MemoryError" or "can't allocate memory" in str(world):
+        from .sandbox import MEMORY_BUDGET_BYTES
+        return "error", (f"{str(world)[:200]}: the grader allows each exercise {MEMORY_BUDGET_BYTES / 2**30:g} GiB "
+                         "per process")
+    return ("timeout" if world.kind in ("collective_timeout", "timeout") else "error"), str(world)
 
 
 def expect(condition: bool, feedback: str) -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dtp.world import import_lazy_torch_modules
+from dtp.common.world import import_lazy_torch_modules
 
 from . import guard, landlock
-from .compare import CheckFailed
+from .compare import CheckFailed, RanksFailed, world_failure
 from .notebook import NotebookCode, UnusableInput, read_course_notebook
 from .registry import Exercise, chapter_exercises
 from .report import ExerciseResult, NotebookReport, one_line
@@ -35,26 +35,11 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:240]}" if text else type(exc).__name__
 
 
-def world_failure(world) -> tuple[str, str]:
-    """(status, feedback) for a gloo world whose ranks failed."""
-    if world.exc_type == "NotImplementedError":
-        return "missing", "not implemented yet: a rank hit `raise NotImplementedError`"
-    if world.exc_type == "UsesCourseReference":
-        return "reference", str(world).split("UsesCourseReference: ", 1)[-1]
-    if world.exc_type == "CheckFailed":
-        return "failed", str(world).split("CheckFailed: ", 1)[-1]
-    if world.exc_type == "MemoryError" or "can't allocate memory" in str(world):
-        from .sandbox import MEMORY_BUDGET_BYTES
-        return "error", (f"{str(world)[:200]}: the grader allows each exercise {MEMORY_BUDGET_BYTES / 2**30:g} GiB "
-                         "per process")
-    return ("timeout" if world.kind in ("collective_timeout", "timeout") else "error"), str(world)
-
-
 def collect_in_sandbox(exercise: Exercise, load_student, inputs) -> tuple[str, object]:
     """Runs in the sandbox: guard the course's answers, load the learner's code, run `collect`.
     Returns ("data", plain data) or (status, feedback) with status missing, error, failed,
     timeout or reference."""
-    from dtp.world import WorldError
+    from dtp.common.world import WorldError
 
     guard.install(exercise.check.references)
     # Learner code can find the check object (the stack, gc): leave it only `collect`.
@@ -100,8 +85,6 @@ def _memory_feedback(exc: BaseException) -> str:
 
 def judge(exercise: Exercise, inputs, data) -> tuple[str, str]:
     """(status, feedback) from the data the learner's code produced; runs in the grader."""
-    from .checks.common import RanksFailed
-
     try:
         return "passed", exercise.check.judge(inputs, data)
     except CheckFailed as failed:

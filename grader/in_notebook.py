@@ -33,7 +33,7 @@ def check(exercise_id: str, timeout_s: float | None = None) -> None:
         close = difflib.get_close_matches(exercise_id, all_exercise_ids(), n=1)
         print(f"unknown exercise id {exercise_id!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
         return
-    from dtp.world import import_lazy_torch_modules
+    from dtp.common.world import import_lazy_torch_modules
 
     import_lazy_torch_modules()  # in the kernel once, not in every check's processes
     namespace = _kernel_namespace()
@@ -45,7 +45,7 @@ def demo(exercise_id: str):
     """`with demo("dp.ring_allreduce_numpy"): ...` runs a cell that tries an exercise out. While
     the exercise is unfinished the cell prints one line instead of a traceback, so "Run All" on
     a fresh notebook reaches the end; any other error is the learner's to see, traceback and all."""
-    from dtp.world import WorldError
+    from dtp.common.world import WorldError
 
     try:
         yield

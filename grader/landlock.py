@@ -17,10 +17,9 @@ What may be read (and executed):
 What is left out, and why: `solutions/` (the answers), `.git` (every version of them),
 `tests/` (correct alternatives of each exercise), `book/`, `grader/checks/`, and every `dtp`
 module not in `DTP_READABLE`. The `dtp` modules left out are those that hold the course's
-answers: the closed forms and implementations that checks name in `references` (costs, memory,
-gpt, zero, tensor_parallel, pipeline, moe, topology, topology_planner, topology_training), the
-modules built from them (calculator: memory per GPU for any layout; zero_runs: ZeRO-1/2/3 on
-gloo) and demos (it loads the solution notebooks). A new `dtp` module is unreadable until it is
+answers: the closed forms and implementations that checks name in `references` (each chapter's
+formulas, schedules, layers and planner, and `dtp.common.gpt`), the modules built from them (the
+memory calculator: memory per GPU for any layout; `dtp.zero.runs`: ZeRO-1/2/3 on gloo). A new `dtp` module is unreadable until it is
 added to `DTP_READABLE`: forgetting to list one costs a lazy import, never an answer. What the
 sandbox itself already imported stays usable (Landlock governs opening files, not memory): the
 grader imports the reference modules an exercise needs before the sandbox is forked, and
@@ -45,11 +44,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The course library's modules that hold no answer: launching worlds, logging traffic, toy
-# models, the simulated network, measuring saved activations and held memory, figures, widgets.
-DTP_READABLE = ("__init__", "activations", "ddp_observed", "measure", "models", "pipeline_plots",
-                "pipeline_widgets", "plots", "processes", "simulated", "topology_plots", "traffic",
-                "widgets", "world", "zero_measure")
+# The course library's modules that hold no answer (paths below dtp/, without .py): every package's
+# __init__ (docstrings only), launching worlds, logging traffic, toy models, the simulated network,
+# measuring saved activations and held memory, figures, widgets.
+DTP_READABLE = ("__init__", "common/__init__", "common/measure", "common/models", "common/processes",
+                "common/traffic", "common/world", "memory/__init__", "memory/activations", "memory/plots",
+                "memory/widgets", "dp/__init__", "dp/ddp_observed", "dp/plots", "dp/simulated", "tp/__init__",
+                "pp/__init__", "pp/plots", "pp/widgets", "ep/__init__", "zero/__init__", "zero/measure",
+                "overlap/__init__", "cp/__init__", "topology/__init__", "topology/plots")
 
 SYSTEM_READABLE = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc", "/proc", "/sys", "/dev")
 
@@ -130,12 +132,12 @@ def _repo_rules(workdir: str | None) -> list[tuple[str, int]]:
     # grader.checks itself, empty, so that `import grader` works; not the chapters' checks
     rules += [(str(entry), READ) for entry in (grader / "checks").glob("__init__.py")]
     rules += [(str(entry), READ) for entry in (grader / "checks" / "__pycache__").glob("__init__.*")]
-    dtp = REPO / "dtp"
-    cache = dtp / "__pycache__"
-    cached = list(cache.iterdir()) if cache.is_dir() else []
     for module in DTP_READABLE:
-        rules.append((str(dtp / f"{module}.py"), READ))
-        rules += [(str(pyc), READ) for pyc in cached if pyc.name.startswith(f"{module}.")]
+        source = REPO / "dtp" / f"{module}.py"
+        rules.append((str(source), READ))
+        cache = source.parent / "__pycache__"
+        if cache.is_dir():
+            rules += [(str(pyc), READ) for pyc in cache.iterdir() if pyc.name.startswith(f"{source.stem}.")]
     notebooks = str(REPO / "notebooks")
     if workdir and _is_within(workdir, notebooks):  # the one folder of the checkout written for learners
         rules.append((workdir, READ))

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-
 class UnusableInput(Exception):
     """The input cannot be graded at all (missing file, not a notebook, unknown chapter)."""
 

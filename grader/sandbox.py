@@ -33,7 +33,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from dtp.processes import die_with_parent
+from dtp.common.processes import die_with_parent
 
 from . import landlock, transport
 from .interrupts import interrupts_deferred, let_interrupts_through

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import nbformat
@@ -26,9 +27,9 @@ def spinning_processes(count: int | None = None):
     worker processes (make test runs one per core) the machine has about twice as much to run as it
     has cores, the load of a laptop running other work or of a shared CI machine. All of them are
     killed (their own process group) when the block ends, also when a test in it fails."""
-    # Each spinner also dies with the test process (dtp.processes.die_with_parent): a test run
+    # Each spinner also dies with the test process (dtp.common.processes.die_with_parent): a test run
     # killed outright once left one spinning for an hour.
-    spin = f"from dtp.processes import die_with_parent\ndie_with_parent({os.getpid()})\nwhile True: pass"
+    spin = f"from dtp.common.processes import die_with_parent\ndie_with_parent({os.getpid()})\nwhile True: pass"
     spinners = [subprocess.Popen([sys.executable, "-c", spin], start_new_session=True)
                 for _ in range(count or max(1, (os.cpu_count() or 2) // 2))]
     try:
@@ -90,6 +91,17 @@ def grade(path: Path, *exercise_ids: str, timeout_s: float | None = None) -> dic
     from grader.grading import grade_notebook
     report = grade_notebook(str(path), list(exercise_ids) or None, timeout_s)
     return {result.id: result for result in report.exercises}
+
+
+def grader_cli(*args, cwd=REPO, marker=None, tmpdir=None, timeout=300, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m grader ARGS` in a child process, as a learner or instructor runs it. Its processes
+    carry `marker` in their environment (see `live_processes_with_marker`); `tmpdir` gives it a
+    temporary folder of its own, so that other programs' files do not count as its leftovers."""
+    env = {**os.environ, "DTP_TEST_MARKER": marker or uuid.uuid4().hex, "PYTHONPATH": str(REPO)}
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
+    return subprocess.run([sys.executable, "-m", "grader", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout, **kwargs)
 
 
 def live_processes_with_marker(marker: str) -> list[int]:

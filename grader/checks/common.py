@@ -2,20 +2,11 @@
 communication log in a form that crosses from the sandbox to the grader."""
 from __future__ import annotations
 
-from dtp.world import run_world
+from dtp.common.world import run_world
 
-from ..compare import CheckFailed, expect_answer
+from ..compare import CheckFailed, RanksFailed, expect_answer, world_failure
 from ..registry import Check
 from ..sandbox import seconds_left
-
-
-class RanksFailed(Exception):
-    """Raised by a judge for a gloo world whose ranks failed in the sandbox (raised, deadlocked,
-    hit `raise NotImplementedError`): the exercise gets that status, not "failed"."""
-
-    def __init__(self, status: str, feedback: str):
-        super().__init__(feedback)
-        self.status = status
 
 
 def world_options() -> dict:
@@ -30,9 +21,8 @@ def run_worlds(fn, worlds: list[tuple[int, tuple]]) -> list:
     first world that fails. A failed world comes back as {"failed_world": n, "status", "feedback"},
     so that the worlds before it are still judged (a ring that only works for n = 2 fails on what
     it sent for n = 2, and the n = 3 failure is reported only if nothing before it was wrong)."""
-    from dtp.world import WorldError
+    from dtp.common.world import WorldError
 
-    from ..grading import world_failure
 
     outcomes = []
     for world_size, args in worlds:

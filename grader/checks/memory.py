@@ -1,14 +1,12 @@
 """Checks of the memory and compute chapter (notebook 01_memory).
 
 Oracles, computed in the grader: `numel` of a real torch GPT built from the same random config
-(on the meta device, so even large configs cost nothing), and the closed forms of `dtp.memory`,
-which tests/test_memory_formulas.py checks against measurements of real models."""
+(on the meta device, so even large configs cost nothing), and the closed forms of `dtp.memory.formulas`,
+which tests/memory/test_memory_formulas.py checks against measurements of real models."""
 from __future__ import annotations
 
-import numpy as np
-
-from dtp import memory
-from dtp.gpt import GPTConfig, build_on_meta, count_parameters
+from dtp.common.gpt import GPTConfig, build_on_meta, count_parameters
+from dtp.memory import formulas as memory
 
 from ..compare import CheckFailed, expect_answer
 from ..registry import Check, exercise
@@ -48,10 +46,10 @@ def _explain_count(difference: int, config: GPTConfig) -> str:
 class ParameterCount(Check):
     """Verifies: the exact count on 8 random configs (tied and untied, with and without biases)
     against `numel` of the real torch model. Fakes: building the model and counting its
-    parameters inside the answer trips (dtp.gpt's counter and the course's formula are guarded)."""
+    parameters inside the answer trips (dtp.common.gpt's counter and the course's formula are guarded)."""
 
     reads = ("gpt_parameter_count",)
-    references = ("dtp.memory.gpt_parameter_count", "dtp.gpt.count_parameters")
+    references = ("dtp.memory.formulas.gpt_parameter_count", "dtp.common.gpt.count_parameters")
     timeout_s = 30
 
     def prepare(self, rng):
@@ -80,10 +78,10 @@ UNIT_POWERS = {"MB": "10^6", "GB": "10^9", "TB": "10^12", "MiB": "2^20", "GiB": 
 @exercise("memory.model_states", points=2)
 class ModelStates(FormulaCheck):
     """Verifies: bytes of weights, gradients and optimizer state for every recipe in every unit,
-    on random parameter counts. Fakes: dtp.memory's function trips."""
+    on random parameter counts. Fakes: dtp.memory.formulas's function trips."""
 
     function = "model_state_memory"
-    references = ("dtp.memory.model_state_memory", "dtp.memory.bytes_per_parameter")
+    references = ("dtp.memory.formulas.model_state_memory", "dtp.memory.formulas.bytes_per_parameter")
     timeout_s = 15
     summary = (f"right for all {len(RECIPE_NAMES)} recipes "
                f"({', '.join(str(memory.bytes_per_parameter(r)) for r in RECIPE_NAMES)} bytes per parameter) "
@@ -108,10 +106,10 @@ class ModelStates(FormulaCheck):
 class ActivationMemory(FormulaCheck):
     """Verifies: Korthikanti et al.'s per-layer activation bytes for no, selective and full
     recomputation, with and without sequence parallelism, on random shapes whose head size
-    varies (64 to 256), plus the unparallelised baseline. Fakes: dtp.memory's function trips."""
+    varies (64 to 256), plus the unparallelised baseline. Fakes: dtp.memory.formulas's function trips."""
 
     function = "activation_bytes_per_layer"
-    references = ("dtp.memory.activation_bytes_per_layer", "dtp.memory.activation_bytes")
+    references = ("dtp.memory.formulas.activation_bytes_per_layer", "dtp.memory.formulas.activation_bytes")
     timeout_s = 15
     summary = ("matches Korthikanti et al.'s table for no, selective and full recomputation, with and without "
                "sequence parallelism, on random shapes with head sizes from 64 to 256")
@@ -161,12 +159,12 @@ def _flops_cases(rng, count: int = 4):
 class TrainingTime(Check):
     """Verifies: training_days with 6N per token, MFU with PaLM's model FLOPs (6N + 12·L·h·s per
     token), and HFU with full recomputation (8N + 16·L·h·s), on random inputs.
-    Fakes: dtp.memory's functions trip."""
+    Fakes: dtp.memory.formulas's functions trip."""
 
     reads = ("training_days", "mfu", "hfu")
-    references = ("dtp.memory.training_time_s", "dtp.memory.model_flops_utilization",
-                  "dtp.memory.hardware_flops_utilization", "dtp.memory.model_flops_per_token",
-                  "dtp.memory.hardware_flops_per_token", "dtp.memory.training_flops")
+    references = ("dtp.memory.formulas.training_time_s", "dtp.memory.formulas.model_flops_utilization",
+                  "dtp.memory.formulas.hardware_flops_utilization", "dtp.memory.formulas.model_flops_per_token",
+                  "dtp.memory.formulas.hardware_flops_per_token", "dtp.memory.formulas.training_flops")
     timeout_s = 15
 
     def prepare(self, rng):
@@ -209,11 +207,11 @@ class Interview(InterviewQuestions):
     run takes with 6N FLOPs per token), on the questions the notebook asks (70B parameters, the
     A100 80GB's 81920 MiB, GPT-3's 175B parameters on 300B tokens) and on random ones.
     Fakes: a number copied from the page answers the asked question only, not the drawn ones;
-    dtp.memory's functions trip."""
+    dtp.memory.formulas's functions trip."""
 
     reads = ("interview_model_states_tb", "interview_largest_model", "interview_training_days")
-    references = ("dtp.memory.model_state_memory", "dtp.memory.bytes_per_parameter",
-                  "dtp.memory.largest_trainable_model", "dtp.memory.training_time_s", "dtp.memory.training_flops")
+    references = ("dtp.memory.formulas.model_state_memory", "dtp.memory.formulas.bytes_per_parameter",
+                  "dtp.memory.formulas.largest_trainable_model", "dtp.memory.formulas.training_time_s", "dtp.memory.formulas.training_flops")
     asked = {"interview_model_states_tb": (70e9,),
              "interview_largest_model": (memory.GPU_MEMORY_MIB["A100 80GB"],),
              "interview_training_days": (175e9, 300e9, 1024, 312e12, 0.5)}

@@ -13,7 +13,6 @@ Nothing is ever written in SUBMISSIONS, and input that cannot be graded becomes 
 student's row rather than an error."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dtp.processes import die_with_parent
+from dtp.common.processes import die_with_parent
 
 from ..interrupts import interrupts_deferred, let_interrupts_through, raise_interrupt_once
 from ..notebook import UnusableInput

@@ -1,14 +1,14 @@
 // The book's memory calculator, in the reader's browser (no kernel needed). It mirrors the
-// course's Python (dtp.memory, dtp.zero, dtp.calculator); the constants (recipes, GPUs) are
-// written into the page from Python at build time, and tests/test_browser.py compares this
-// calculator with dtp.calculator on random inputs.
+// course's Python (dtp.memory.formulas, dtp.zero.formulas, dtp.memory.calculator); the constants (recipes, GPUs) are
+// written into the page from Python at build time, and tests/book/test_browser.py compares this
+// calculator with dtp.memory.calculator on random inputs.
 (function () {
   "use strict";
 
   const COURSE = window.COURSE_MEMORY_CONSTANTS;
 
   function parameterCount(c) {
-    // dtp.memory.gpt_parameter_count: GPT-2 layout, biases everywhere, tied embeddings.
+    // dtp.memory.formulas.gpt_parameter_count: GPT-2 layout, biases everywhere, tied embeddings.
     const h = c.hidden, width = c.mlpRatio * h, bias = 1;
     const layerNorm = h + bias * h;
     const attention = (h * 3 * h + bias * 3 * h) + (h * h + bias * h);
@@ -18,7 +18,7 @@
   }
 
   function activationBytesPerLayer(s, b, h, a, t, sp, recompute, cp = 1) {
-    // Korthikanti et al. 2022, table 2 (dtp.memory.activation_bytes_per_layer); context
+    // Korthikanti et al. 2022, table 2 (dtp.memory.formulas.activation_bytes_per_layer); context
     // parallelism c keeps 1/c of it on each rank: its s/c tokens, its s/c queries' attention rows.
     if (recompute === "full") return 2 * s * b * h / cp;
     const unsplit = sp ? 34 / t : 10 + 24 / t;
@@ -27,7 +27,7 @@
   }
 
   function memoryPerGpu(c, layout, stage) {
-    // dtp.calculator.memory_per_gpu: ZeRO shards over the N_d·c data- and context-parallel ranks
+    // dtp.memory.calculator.memory_per_gpu: ZeRO shards over the N_d·c data- and context-parallel ranks
     const t = layout.tp, p = layout.pp, cp = layout.cp;
     const shard = parameterCount(c) / (t * p);
     const sharded = COURSE.zeroSharded[String(layout.zero)];

@@ -1,7 +1,7 @@
 // The book's pipeline-schedule explorer, in the reader's browser (no kernel needed). It mirrors
-// dtp/pipeline.py: the four schedule generators, the timeline simulator (each stage runs its ops
+// dtp/pp/schedules.py: the four schedule generators, the timeline simulator (each stage runs its ops
 // in order, each op as soon as the stage is free and what it depends on has ended) and the peak
-// of activations held. tests/test_browser.py compares its timelines with dtp.pipeline's.
+// of activations held. tests/book/test_browser.py compares its timelines with dtp.pp.schedules's.
 (function () {
   "use strict";
 
@@ -134,7 +134,7 @@
   }
 
   function simulateNamed(name, p, m, v, times, p2pTime) {
-    // dtp.pipeline.simulate_named: an interleaved stage's v chunks each take 1/v of its op times.
+    // dtp.pp.schedules.simulate_named: an interleaved stage's v chunks each take 1/v of its op times.
     const chunks = name === "interleaved 1F1B" ? v : 1;
     const perChunk = Object.fromEntries(Object.entries(times).map(([k, t]) => [k, t / chunks]));
     return simulate(makeSchedule(name, p, m, chunks), perChunk, p2pTime);

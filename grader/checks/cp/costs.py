@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from dtp import context_parallel as cp
+from dtp.cp import context_parallel as cp
 
 from ...registry import exercise
 from ..common import InterviewQuestions
@@ -24,11 +24,11 @@ class Costs(InterviewQuestions):
     Ulysses, and activation bytes per GPU with context parallelism (the memory chapter's sbh·34/t
     with s/c). Forgetting V, a c-th step, the (c-1)/c, Ulysses' second all-to-all, and not
     dividing by c are named.
-    Fakes: numbers copied from the page answer only the case asked; dtp.context_parallel trips."""
+    Fakes: numbers copied from the page answer only the case asked; dtp.cp.context_parallel trips."""
 
     reads = ("ring_bytes_per_layer", "allgather_kv_bytes_per_layer", "ulysses_bytes_per_layer",
              "activation_bytes_per_rank")
-    references = tuple(f"dtp.context_parallel.{name}" for name in reads)
+    references = tuple(f"dtp.cp.context_parallel.{name}" for name in reads)
     asked = {"ring_bytes_per_layer": (131072, 1024, 16, 2),
              "allgather_kv_bytes_per_layer": (131072, 1024, 16, 2),
              "ulysses_bytes_per_layer": (131072, 16384, 1024, 16, 2),
@@ -86,7 +86,7 @@ class Interview(InterviewQuestions):
     Fakes: a number copied from the page answers the asked question only; dtp trips."""
 
     reads = ("interview_activation_gib", "interview_ulysses_degree", "interview_tokens_to_hide")
-    references = ("dtp.context_parallel.activation_bytes_per_rank",)
+    references = ("dtp.cp.context_parallel.activation_bytes_per_rank",)
     asked = {"interview_activation_gib": (131072, 1, 16384, 128, 8, 8, 16),
              "interview_ulysses_degree": (128, 8, 8),
              "interview_tokens_to_hide": (989e12, 50e9, 16384, 1024, 2)}

@@ -15,7 +15,7 @@ import torch
 from torch._C._distributed_c10d import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtp.traffic import CommunicationLog
+from dtp.common.traffic import CommunicationLog
 
 from .kept import ReceivedKept
 

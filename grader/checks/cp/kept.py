@@ -1,5 +1,5 @@
 """What a ring rank keeps of what it received: the way the ZeRO checks follow gathered weights
-(`dtp.zero_measure.FullTensorTracker`: the outputs of receiving collectives, and every tensor
+(`dtp.zero.measure.FullTensorTracker`: the outputs of receiving collectives, and every tensor
 copied from them, followed through weak references to their storages), applied to the K/V
 blocks a rank receives. Each receive is one tag, of the bytes it received; a tensor copied from
 received data (clone, cat, stack, a dtype cast, ...) carries the tags of the parts it was copied
@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dtp.zero_measure import CONFIRM_ATTEMPTS, MOVING, RECEIVING, SETTLE_PAUSE_S
+from dtp.zero.measure import CONFIRM_ATTEMPTS, MOVING, RECEIVING, SETTLE_PAUSE_S
 
 _OVERWRITING = {"copy_", "fill_", "zero_"}  # in-place operations that replace every element they write
 
@@ -53,7 +53,7 @@ class ReceivedKept(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        return False  # nothing compiled runs here (see dtp.zero_measure.FullTensorTracker)
+        return False  # nothing compiled runs here (see dtp.zero.measure.FullTensorTracker)
 
     def _tags(self, tensors) -> set:
         found = set()

@@ -5,14 +5,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dtp.context_parallel import ring_backward_bytes_per_layer
+from dtp.cp.context_parallel import ring_backward_bytes_per_layer
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
 from ..common import completed_worlds, raise_world_failure, run_worlds
 from .harness import attention, backward_rank, contiguous, forward_rank, full_tensors, zigzag
-from .ring_pattern import (RingBlocks, check_blocks_not_kept, check_not_all_held, check_ring_pattern,
-                           check_score_products, score_entries, unexpected_ops)
+from .ring_pattern import (
+    RingBlocks,
+    check_blocks_not_kept,
+    check_not_all_held,
+    check_ring_pattern,
+    check_score_products,
+    score_entries,
+    unexpected_ops,
+)
 
 FP32 = 4
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
@@ -61,7 +68,7 @@ class RingForward(Check):
     them) shows as the received bytes still referenced at the last steps' score products."""
 
     reads = ("ring_attention",)
-    references = ("dtp.context_parallel.ring_attention_forward",)
+    references = ("dtp.cp.context_parallel.ring_attention_forward",)
     timeout_s = 60
     runs_world = True
 
@@ -110,7 +117,7 @@ class RingBackward(Check):
     bytes."""
 
     reads = ("ring_attention_backward",)
-    references = ("dtp.context_parallel.ring_attention_backward",)
+    references = ("dtp.cp.context_parallel.ring_attention_backward",)
     timeout_s = 60
     runs_world = True
 
@@ -169,7 +176,7 @@ class Zigzag(Check):
     than the formula; the contiguous split's work is unbalanced."""
 
     reads = ("zigzag_ring_attention",)
-    references = ("dtp.context_parallel.ring_attention_forward", "dtp.context_parallel.zigzag_positions")
+    references = ("dtp.cp.context_parallel.ring_attention_forward", "dtp.cp.context_parallel.zigzag_positions")
     timeout_s = 60
     runs_world = True
 

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from dtp.context_parallel import attention_numpy
+from dtp.cp.context_parallel import attention_numpy
 
 from ...compare import CheckFailed, expect_close
 from ...registry import Check, exercise
@@ -58,7 +58,7 @@ class OnlineSoftmax(Check):
     are not detected); a naive exponential overflows to inf or nan."""
 
     reads = ("online_softmax_attention",)
-    references = ("dtp.context_parallel.online_softmax_attention",)
+    references = ("dtp.cp.context_parallel.online_softmax_attention",)
     timeout_s = 15
 
     def prepare(self, rng):

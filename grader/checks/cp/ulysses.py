@@ -2,7 +2,7 @@
 by an all-to-all and back."""
 from __future__ import annotations
 
-from dtp.context_parallel import alltoall_input_bytes, ulysses_bytes_per_layer
+from dtp.cp.context_parallel import alltoall_input_bytes, ulysses_bytes_per_layer
 
 from ...compare import expect
 from ...registry import Check, exercise
@@ -22,7 +22,7 @@ class Ulysses(Check):
     than Q, K, V and the output, or fewer, changes the bytes."""
 
     reads = ("ulysses_attention",)
-    references = ("dtp.context_parallel.ulysses_attention",)
+    references = ("dtp.cp.context_parallel.ulysses_attention",)
     timeout_s = 40
     runs_world = True
 

@@ -1,19 +1,20 @@
 """The data-parallel cost exercises: the alpha-beta time of a ring all-reduce, bus bandwidth,
-and the interview question, all compared with the closed forms of `dtp.costs`."""
+and the interview question, all compared with the closed forms of `dtp.dp.costs`."""
 from __future__ import annotations
 
-from dtp import costs
+from dtp.dp import costs
 
 from ...registry import exercise
 from ..common import FormulaCheck, InterviewQuestions
 
+
 @exercise("dp.ring_time", points=1)
 class RingTime(FormulaCheck):
     """Verifies: T = 2(n-1)·alpha + 2(n-1)/n·S/bandwidth on random n, S, alpha and bandwidth.
-    Fakes: calling dtp.costs.ring_all_reduce_time trips."""
+    Fakes: calling dtp.dp.costs.ring_all_reduce_time trips."""
 
     function = "ring_allreduce_time"
-    references = ("dtp.costs.ring_all_reduce_time",)
+    references = ("dtp.dp.costs.ring_all_reduce_time",)
     timeout_s = 15
     rel = 1e-6
     summary = "matches T = 2(n-1)·alpha + 2(n-1)/n·S/bandwidth on random inputs"
@@ -35,10 +36,10 @@ class RingTime(FormulaCheck):
 @exercise("dp.bus_bandwidth", points=1)
 class BusBandwidth(FormulaCheck):
     """Verifies: busbw = S/t · 2(n-1)/n on random S, t and n (n = 2, where busbw = algbw, included).
-    Fakes: calling dtp.costs.bus_bandwidth trips."""
+    Fakes: calling dtp.dp.costs.bus_bandwidth trips."""
 
     function = "bus_bandwidth"
-    references = ("dtp.costs.bus_bandwidth",)
+    references = ("dtp.dp.costs.bus_bandwidth",)
     timeout_s = 15
     rel = 1e-6
     summary = "matches busbw = S/t · 2(n-1)/n on random inputs (n = 2 included)"
@@ -62,10 +63,10 @@ class Interview(InterviewQuestions):
     takes on links of a given bandwidth, as functions of the question's numbers: on the question
     the notebook asks (1.3B parameters, fp16, 64 GPUs, 100 GB/s) and on random ones.
     Fakes: a number copied from the page answers the asked question only, not the drawn ones;
-    dtp.costs's ring functions trip."""
+    dtp.dp.costs's ring functions trip."""
 
     reads = ("interview_bytes_sent_per_gpu", "interview_allreduce_ms")
-    references = ("dtp.costs.ring_all_reduce_bytes_per_rank", "dtp.costs.ring_all_reduce_time")
+    references = ("dtp.dp.costs.ring_all_reduce_bytes_per_rank", "dtp.dp.costs.ring_all_reduce_time")
     asked = {"interview_bytes_sent_per_gpu": (1.3e9, 2, 64),
              "interview_allreduce_ms": (1.3e9, 2, 64, 100e9)}
     summary = "bytes sent per GPU and all-reduce time are right for the question asked and for random numbers"

@@ -8,13 +8,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dtp.simulated import SimulatedNetwork
-from dtp.traffic import CommunicationLog
+from dtp.common.traffic import CommunicationLog
+from dtp.dp.simulated import SimulatedNetwork
 
 from ...compare import CheckFailed, expect, expect_close
 from ...dataflow import check_ring_dataflow, check_ring_neighbours
 from ...registry import Check, exercise
 from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+
 
 @dataclass
 class RingRun:

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtp import costs
-from dtp.models import regression_batch, state_as_numpy, tiny_mlp
-from dtp.traffic import CommunicationLog
+from dtp.common.models import regression_batch, state_as_numpy, tiny_mlp
+from dtp.common.traffic import CommunicationLog
+from dtp.dp import costs
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
@@ -270,7 +270,7 @@ class BucketedDataParallel(Check):
     """
 
     reads = ("BucketedDDP",)
-    references = (DDP_CLASS, "dtp.costs.ddp_bucket_sizes")
+    references = (DDP_CLASS, "dtp.dp.costs.ddp_bucket_sizes")
     timeout_s = 60
     runs_world = True
 

@@ -1,11 +1,11 @@
 """Checks of the expert-parallelism chapter (notebook 05_expert_parallel).
 
-Oracles, computed in the grader: dtp.moe's router, slots and one-hot layer (tests/test_ep_moe.py
-checks them against token-by-token loops and torch), autograd through dtp.moe.moe_layer_torch
+Oracles, computed in the grader: dtp.ep.moe's router, slots and one-hot layer (tests/ep/test_ep_moe.py
+checks them against token-by-token loops and torch), autograd through dtp.ep.moe.moe_layer_torch
 run once per rank's tokens (the single-process layer with the same weights and routing), and
-dtp.moe's closed forms; for exercises 7 to 10, dtp.moe_routing (bias balancing, node-limited
-routing), dtp.moe_experts (shared and fine-grained experts) and dtp.moe_tp_ep (EP beside TP),
-which tests/test_ep_routing.py checks against loops, torch modules and a gloo world. Mechanisms, from what the learner's code did in a gloo world: every
+dtp.ep.moe's closed forms; for exercises 7 to 10, dtp.ep.routing (bias balancing, node-limited
+routing), dtp.ep.experts (shared and fine-grained experts) and dtp.ep.tp_ep (EP beside TP),
+which tests/ep/test_ep_routing.py checks against loops, torch modules and a gloo world. Mechanisms, from what the learner's code did in a gloo world: every
 collective recorded on the process group, and for every all-to-all the rows sent to each rank.
 
 One module per exercise group. They are imported in the notebook's order, which is the order

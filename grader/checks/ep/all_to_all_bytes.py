@@ -3,25 +3,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtp import moe
+from dtp.ep import moe
 
 from ...compare import expect, expect_answer
 from ...registry import Check, exercise
 from .shared import skewed_choices
 
+
 @exercise("ep.all_to_all_bytes", points=2)
 class AllToAllBytes(Check):
     """Verifies: bytes each rank sends to other ranks per forward and backward pass, with fixed
     capacity (random n, E, C, d, bytes per element) and dropless (random routings of 2 to 4
-    ranks with different token counts, top-1 and top-2), against dtp.moe's closed forms, which
-    tests/test_ep_checks.py checks against bytes counted on gloo. The dropless layouts are drawn
+    ranks with different token counts, top-1 and top-2), against dtp.ep.moe's closed forms, which
+    tests/ep/test_ep_checks.py checks against bytes counted on gloo. The dropless layouts are drawn
     so that every known slip (own rows only, half, as if with capacity, own experts' rows counted,
     first choices only) gives some rank another number.
-    Fakes: dtp.moe's formulas trip; random inputs each run.
+    Fakes: dtp.ep.moe's formulas trip; random inputs each run.
     """
 
     reads = ("capacity_all_to_all_bytes", "dropless_all_to_all_bytes")
-    references = ("dtp.moe.capacity_all_to_all_bytes", "dtp.moe.dropless_all_to_all_bytes")
+    references = ("dtp.ep.moe.capacity_all_to_all_bytes", "dtp.ep.moe.dropless_all_to_all_bytes")
     timeout_s = 15
 
     def prepare(self, rng):

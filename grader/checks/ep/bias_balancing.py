@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtp import moe, moe_routing  # noqa: F401  imported before the sandbox is confined
+from dtp.ep import moe  # noqa: F401  imported before the sandbox is confined
+from dtp.ep import routing as moe_routing
 
 from ...compare import CheckFailed, expect
 from ...registry import Check, exercise
 from .shared import ROUTING_REFERENCES, integer_array, known_mistake, pair
 
-BIAS_REFERENCES = ("dtp.moe_routing.biased_top_k_routing", "dtp.moe_routing.update_choice_bias",
-                   "dtp.moe_routing.load_imbalance") + ROUTING_REFERENCES
+BIAS_REFERENCES = ("dtp.ep.routing.biased_top_k_routing", "dtp.ep.routing.update_choice_bias",
+                   "dtp.ep.routing.load_imbalance") + ROUTING_REFERENCES
 
 
 @exercise("ep.bias_balancing", points=3)
@@ -22,7 +23,7 @@ class BiasBalancing(Check):
     `update_bias` moves every expert's bias by exactly `rate` towards the mean load (down when
     overloaded, up when underloaded) and leaves an expert exactly at the mean load unchanged, on
     routings with experts above, below and at the mean, from a nonzero bias.
-    Fakes: dtp.moe_routing's functions and dtp.moe's router trip; fresh logits, biases and rates
+    Fakes: dtp.ep.routing's functions and dtp.ep.moe's router trip; fresh logits, biases and rates
     defeat a table of answers; ignoring the bias fails the choices, adding it to the gates fails
     the weights, a step by the size of the error (not its sign) fails the update.
     """

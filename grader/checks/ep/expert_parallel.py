@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dtp import moe
-from dtp.traffic import CommunicationLog
+from dtp.common.traffic import CommunicationLog
+from dtp.ep import moe
 
 from ...compare import CheckFailed, expect
 from ...registry import Check, exercise

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from dtp import moe
+from dtp.ep import moe
 
 from ...registry import exercise
 from ..common import InterviewQuestions
@@ -21,17 +21,17 @@ def _config(vocab_size, hidden, n_layers, n_heads, n_kv_heads, expert_hidden, n_
 class Interview(InterviewQuestions):
     """Verifies: five functions of the question's numbers, on the numbers asked and on random
     ones: a capacity (fractional quotients included), a Mixtral-shaped model's total and active
-    parameters in billions (dtp.moe's counts, which tests check against a torch model's numel,
+    parameters in billions (dtp.ep.moe's counts, which tests check against a torch model's numel,
     for random widths, depths, heads, grouped key/value heads, experts and top-k), the GPUs of
     the source notes' layout with EP as a fourth factor, and the GPUs holding each expert shard
     with EP carved out of DP.
-    Fakes: a number copied from the page fails the random questions; dtp.moe's counts, model and
+    Fakes: a number copied from the page fails the random questions; dtp.ep.moe's counts, model and
     capacity trip when called."""
 
     reads = ("interview_capacity", "interview_total_parameters_b", "interview_active_parameters_b",
              "interview_gpus_if_ep_multiplies", "interview_expert_copies")
-    references = ("dtp.moe.expert_capacity", "dtp.moe.moe_parameter_counts", "dtp.moe.MoETransformer",
-                  "dtp.moe.MoEBlock", "dtp.moe.MoEFeedForward", "dtp.moe.parameters_per_gpu")
+    references = ("dtp.ep.moe.expert_capacity", "dtp.ep.moe.moe_parameter_counts", "dtp.ep.moe.MoETransformer",
+                  "dtp.ep.moe.MoEBlock", "dtp.ep.moe.MoEFeedForward", "dtp.ep.moe.parameters_per_gpu")
     asked = {"interview_capacity": (4096, 64, 2, 1.25),
              "interview_total_parameters_b": MIXTRAL[:7],
              "interview_active_parameters_b": MIXTRAL,

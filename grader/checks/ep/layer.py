@@ -8,12 +8,12 @@ from fractions import Fraction
 
 import numpy as np
 
-from dtp import moe
+from dtp.ep import moe
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
 from ..common import FormulaCheck
-from .shared import LAYER_REFERENCES, known_mistake, integer_array, skewed_choices
+from .shared import LAYER_REFERENCES, integer_array, known_mistake, skewed_choices
 
 CAPACITY_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # exact in binary: no rounding to argue about
 
@@ -24,10 +24,10 @@ class Capacity(FormulaCheck):
     number (the ceiling changes nothing) and where it is not; every grading has a fractional part
     below one half (round() rounds down there), a top-k with k > 1 whose capacity changes without
     k, and one where rounding T·cf/E up before multiplying by k gives more.
-    Fakes: dtp.moe.expert_capacity trips; fresh sizes each run."""
+    Fakes: dtp.ep.moe.expert_capacity trips; fresh sizes each run."""
 
     function = "expert_capacity"
-    references = ("dtp.moe.expert_capacity",)
+    references = ("dtp.ep.moe.expert_capacity",)
     timeout_s = 15
     summary = "ceil(capacity_factor · T · k / E) on random sizes, whole quotients and fractional ones"
 
@@ -125,11 +125,11 @@ class Slots(Check):
     choices, with a capacity two or more below the largest load, a capacity exactly equal to one
     expert's load, and dropless (capacity None); the tight capacity is drawn so that every known
     slip (token-by-token priority, last first, no drops, one slot too many) gives other slots.
-    Fakes: dtp.moe.assign_slots trips; fresh choices each run.
+    Fakes: dtp.ep.moe.assign_slots trips; fresh choices each run.
     """
 
     reads = ("assign_slots",)
-    references = ("dtp.moe.assign_slots",)
+    references = ("dtp.ep.moe.assign_slots",)
     timeout_s = 15
 
     def prepare(self, rng):
@@ -278,10 +278,10 @@ def every_layer_slip_shows(layer: tuple) -> bool:
 class MoELayer(Check):
     """Verifies: the layer's output for top-1, top-2 and top-3 routing, renormalised and not, with
     capacities that drop assignments (a top-2 token losing one expert and keeping the other
-    included) and dropless, against dtp.moe's one-hot layer; each case is drawn so that every
+    included) and dropless, against dtp.ep.moe's one-hot layer; each case is drawn so that every
     known slip (renormalising after dropping, dropping by probability, token-by-token priority,
     no dropping, no gate weights) gives another output.
-    Fakes: dtp.moe's layer, router and slots trip; fresh random weights each run.
+    Fakes: dtp.ep.moe's layer, router and slots trip; fresh random weights each run.
     """
 
     reads = ("moe_layer",)

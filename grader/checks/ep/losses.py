@@ -6,23 +6,24 @@ import contextlib
 import numpy as np
 import torch
 
-from dtp import moe
+from dtp.ep import moe
 
 from ...compare import CheckFailed, expect, expect_answer
 from ...registry import Check, exercise
+
 
 @exercise("ep.balancing_loss", points=2)
 class BalancingLoss(Check):
     """Verifies: value and gradient with respect to the logits of the Switch load-balancing loss
     (random alpha, and the default 0.01) for top-1 and top-2 routing, and of the router z-loss
     (random coefficient and the default 0.001), also for logits near 800 (float64 exp overflows).
-    Fakes: dtp.moe's losses trip; a value without a gradient, or with f carrying gradient, fails
+    Fakes: dtp.ep.moe's losses trip; a value without a gradient, or with f carrying gradient, fails
     on the gradient.
     """
 
     reads = ("load_balancing_loss", "router_z_loss")
-    references = ("dtp.moe.load_balancing_loss", "dtp.moe.router_z_loss", "dtp.moe.dispatched_fractions",
-                  "dtp.moe.load_balancing_loss_and_gradient", "dtp.moe.router_z_loss_and_gradient")
+    references = ("dtp.ep.moe.load_balancing_loss", "dtp.ep.moe.router_z_loss", "dtp.ep.moe.dispatched_fractions",
+                  "dtp.ep.moe.load_balancing_loss_and_gradient", "dtp.ep.moe.router_z_loss_and_gradient")
     timeout_s = 15
 
     def prepare(self, rng):
@@ -84,7 +85,7 @@ def _value_and_gradient(loss, logits) -> dict:
 
 
 def _loss_oracle(case) -> tuple[float, np.ndarray]:
-    """Value and gradient in closed form (dtp.moe; tests/test_ep_moe.py checks them against autograd)."""
+    """Value and gradient in closed form (dtp.ep.moe; tests/ep/test_ep_moe.py checks them against autograd)."""
     if case["indices"] is not None:
         return moe.load_balancing_loss_and_gradient(case["logits"], case["indices"],
                                                     0.01 if case["alpha"] is None else case["alpha"])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtp import moe, moe_routing  # noqa: F401  imported before the sandbox is confined
+from dtp.ep import moe  # noqa: F401  imported before the sandbox is confined
+from dtp.ep import routing as moe_routing
 
 from ...compare import CheckFailed, expect, expect_answer
 from ...registry import Check, exercise
@@ -20,11 +21,11 @@ class NodeLimited(Check):
     every token's experts lie on at most M nodes. `cross_node_bytes` counts one crossing per token
     and destination node other than its own, on those routings from random source nodes, and
     `max_cross_node_bytes` is the bound T·M·h·w.
-    Fakes: dtp.moe_routing's functions and dtp.moe's router trip; fresh logits defeat a table.
+    Fakes: dtp.ep.routing's functions and dtp.ep.moe's router trip; fresh logits defeat a table.
     """
 
     reads = ("node_limited_router", "cross_node_bytes", "max_cross_node_bytes")
-    references = ("dtp.moe_routing.node_limited_routing", "dtp.moe_routing.cross_node_dispatch_bytes") \
+    references = ("dtp.ep.routing.node_limited_routing", "dtp.ep.routing.cross_node_dispatch_bytes") \
         + ROUTING_REFERENCES
     timeout_s = 15
 

@@ -3,18 +3,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtp import moe
+from dtp.ep import moe
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
 from .shared import ROUTING_REFERENCES, integer_array, known_mistake, name_mistakes, pair
+
 
 @exercise("ep.router", points=2)
 class Router(Check):
     """Verifies: expert indices (most probable first) and gate weights, renormalised or not, for
     k = 1 to 4 on random logits of random shapes, including logits near 1000 whose exponentials
     overflow unless shifted.
-    Fakes: dtp.moe's router trips; fresh random logits defeat a table of answers.
+    Fakes: dtp.ep.moe's router trips; fresh random logits defeat a table of answers.
     """
 
     reads = ("top_k_router",)

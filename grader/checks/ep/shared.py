@@ -6,9 +6,9 @@ import numpy as np
 
 from ...compare import expect
 
-ROUTING_REFERENCES = ("dtp.moe.top_k_routing", "dtp.moe.softmax")
-LAYER_REFERENCES = ("dtp.moe.moe_layer", "dtp.moe.moe_layer_torch", "dtp.moe.dispatch_and_combine",
-                    "dtp.moe.assign_slots", "dtp.moe.expert_capacity") + ROUTING_REFERENCES
+ROUTING_REFERENCES = ("dtp.ep.moe.top_k_routing", "dtp.ep.moe.softmax")
+LAYER_REFERENCES = ("dtp.ep.moe.moe_layer", "dtp.ep.moe.moe_layer_torch", "dtp.ep.moe.dispatch_and_combine",
+                    "dtp.ep.moe.assign_slots", "dtp.ep.moe.expert_capacity") + ROUTING_REFERENCES
 # torch's differentiable all-to-alls: the exercise is to write the backward exchange
 TORCH_DIFFERENTIABLE_ALL_TO_ALL = ("torch.distributed.nn.functional.all_to_all_single",
                                    "torch.distributed.nn.functional.all_to_all",

@@ -2,7 +2,7 @@
 token of one MoE feed-forward (DeepSeekMoE, DeepSeek-V3)."""
 from __future__ import annotations
 
-from dtp import moe_experts  # noqa: F401  imported before the sandbox is confined
+from dtp.ep import experts as moe_experts  # noqa: F401  imported before the sandbox is confined
 
 from ...registry import exercise
 from ..common import InterviewQuestions
@@ -18,11 +18,11 @@ class SharedExperts(InterviewQuestions):
     routed ones only), on DeepSeek-V3's layer and on random widths, expert counts, 1 to 3 shared
     experts and top-k (shared experts always nonzero in the random ones, so that counting them as
     routed, or leaving them out, fails).
-    Fakes: dtp.moe_experts' counts trip; numbers copied from the page fail the random layers."""
+    Fakes: dtp.ep.experts' counts trip; numbers copied from the page fail the random layers."""
 
     reads = FUNCTIONS
-    references = ("dtp.moe_experts.moe_ffn_parameters", "dtp.moe_experts.moe_ffn_flops_per_token",
-                  "dtp.moe_experts.deepseek_parameter_counts", "dtp.moe.moe_ffn_forward_flops")
+    references = ("dtp.ep.experts.moe_ffn_parameters", "dtp.ep.experts.moe_ffn_flops_per_token",
+                  "dtp.ep.experts.deepseek_parameter_counts", "dtp.ep.moe.moe_ffn_forward_flops")
     asked = {name: DEEPSEEK_V3_LAYER for name in FUNCTIONS}
     rel = 1e-9
     summary = ("total and active parameters and FLOPs per token are right for DeepSeek-V3's layer and for random "

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dtp import moe, moe_tp_ep  # noqa: F401  imported before the sandbox is confined
-from dtp.traffic import CommunicationLog
+from dtp.common.traffic import CommunicationLog
+from dtp.ep import moe  # noqa: F401  imported before the sandbox is confined
+from dtp.ep import tp_ep as moe_tp_ep
 
 from ...compare import CheckFailed, expect, expect_answer
 from ...registry import Check, exercise
@@ -41,14 +42,14 @@ class TensorAndExpertParallel(Check):
     `tp_ep_dispatch_bytes` with sequence parallelism; `tp_ep_dispatch_bytes` itself is right for
     random sequences, TP and EP sizes, experts, k and capacity factors, with and without sequence
     parallelism.
-    Fakes: dtp.moe_tp_ep and dtp.moe's layers and router trip; an output computed without the
+    Fakes: dtp.ep.tp_ep and dtp.ep.moe's layers and router trip; an output computed without the
     all-to-all (every rank holding only its own experts) cannot equal the layer; dispatching the
     whole sequence from every TP rank fails on the output's rows and on the bytes.
     """
 
     reads = ("tp_ep_moe", "tp_ep_dispatch_bytes")
-    references = ("dtp.moe_tp_ep.tp_ep_moe_forward", "dtp.moe_tp_ep.tp_ep_dispatch_bytes",
-                  "dtp.moe_tp_ep.measure_tp_ep") + LAYER_REFERENCES
+    references = ("dtp.ep.tp_ep.tp_ep_moe_forward", "dtp.ep.tp_ep.tp_ep_dispatch_bytes",
+                  "dtp.ep.tp_ep.measure_tp_ep") + LAYER_REFERENCES
     runs_world = True
     timeout_s = 60
 

@@ -1,15 +1,13 @@
 """Exercise 4 of the overlap chapter: DDP's gradient buckets all-reduced during backward.
 
-Each rank runs one backward through the learner's hooks (`dtp.overlap_runs.bucket_overlap_rank`)
+Each rank runs one backward through the learner's hooks (`dtp.overlap.runs.bucket_overlap_rank`)
 and records, in one ordered list, its matrix products, all-reduces and the waits on them. A
 bucket is ready once backward has run the products of its layers; its all-reduce must be issued
 before the products of the next layer, and waited on only after backward."""
 from __future__ import annotations
 
-import numpy as np
-
-from dtp.models import tiny_mlp
-from dtp.overlap_runs import bucket_overlap_rank, full_batch_gradients
+from dtp.common.models import tiny_mlp
+from dtp.overlap.runs import bucket_overlap_rank, full_batch_gradients
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtp.overlap_runs import collective_matmul_oracle, collective_matmul_rank
+from dtp.overlap.runs import collective_matmul_oracle, collective_matmul_rank
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from dtp import overlap
+from dtp.overlap import model as overlap
 
 from ...registry import exercise
 from ..common import InterviewQuestions
@@ -23,10 +23,10 @@ class Interview(InterviewQuestions):
     all-reduce in ms for a gradient size, bus bandwidth, GPUs, backward time and buckets;
     ZeRO-3's exposed forward all-gathers in ms with prefetch; the fewest collective-matmul
     chunks that hide the all-gather), on the questions the notebook asks and on random ones.
-    Fakes: a number copied from the page answers the asked question only; dtp.overlap trips."""
+    Fakes: a number copied from the page answers the asked question only; dtp.overlap.model trips."""
 
     reads = ("interview_ddp_exposed_ms", "interview_zero3_forward_exposed_ms", "interview_fewest_chunks")
-    references = ("dtp.overlap.ddp_exposed", "dtp.overlap.fsdp_forward_exposed", "dtp.overlap.collective_matmul_exposed")
+    references = ("dtp.overlap.model.ddp_exposed", "dtp.overlap.model.fsdp_forward_exposed", "dtp.overlap.model.collective_matmul_exposed")
     asked = {"interview_ddp_exposed_ms": (14.0, 100.0, 64, 250.0, 25),
              "interview_zero3_forward_exposed_ms": (80, 1.75, 100.0, 64, 12.0),
              "interview_fewest_chunks": (6.0, 10.0)}

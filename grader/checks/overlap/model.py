@@ -1,8 +1,8 @@
 """Exercise 1 of the overlap chapter: the exposure model as functions, on random sizes, against
-the closed forms of `dtp.overlap`."""
+the closed forms of `dtp.overlap.model`."""
 from __future__ import annotations
 
-from dtp import overlap
+from dtp.overlap import model as overlap
 
 from ...compare import CheckFailed, expect_answer
 from ...registry import Check, exercise
@@ -24,13 +24,13 @@ class ExposureModel(Check):
     backward) and of a MoE layer's two micro-batches with and without overlap, on random times
     where communication is hidden and where it is not, b = 1 and t = 1 among them; known slips
     named.
-    Fakes: dtp.overlap's functions trip; the times are drawn each grading."""
+    Fakes: dtp.overlap.model's functions trip; the times are drawn each grading."""
 
     reads = ("ddp_exposed_time", "fsdp_forward_exposed_time", "collective_matmul_exposed_time", "tp_layer_exposed_time",
              "ep_exposed_time")
-    references = ("dtp.overlap.ddp_exposed", "dtp.overlap.ddp_exposed_serial", "dtp.overlap.fsdp_forward_exposed",
-                  "dtp.overlap.collective_matmul_exposed", "dtp.overlap.exposed", "dtp.overlap.tp_layer_exposed",
-                  "dtp.overlap.ep_exposed")
+    references = ("dtp.overlap.model.ddp_exposed", "dtp.overlap.model.ddp_exposed_serial", "dtp.overlap.model.fsdp_forward_exposed",
+                  "dtp.overlap.model.collective_matmul_exposed", "dtp.overlap.model.exposed", "dtp.overlap.model.tp_layer_exposed",
+                  "dtp.overlap.model.ep_exposed")
     timeout_s = 15
 
     def prepare(self, rng):

@@ -1,7 +1,7 @@
 """Exercise 2 of the overlap chapter: ZeRO-3 whose all-gathers run under the previous unit's
 compute, in forward and in backward, with at most two gathered units alive.
 
-Each rank trains the learner's module for two Adam steps (`dtp.overlap_runs.zero3_prefetch_rank`)
+Each rank trains the learner's module for two Adam steps (`dtp.overlap.runs.zero3_prefetch_rank`)
 and records, in one ordered list, its all-gathers, reduce-scatters, the waits on their handles
 and its matrix products, and after every operation the gathered units alive. The judge reads
 order and memory only: a unit's all-gather must be issued before the matrix product that runs
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtp import zero, zero_runs
-from dtp.models import tiny_mlp
-from dtp.overlap_runs import GATHERED_UNITS_LIMIT, PREFETCH_STEPS, zero3_prefetch_rank
+from dtp.common.models import tiny_mlp
+from dtp.overlap.runs import GATHERED_UNITS_LIMIT, PREFETCH_STEPS, zero3_prefetch_rank
+from dtp.zero import formulas as zero
+from dtp.zero import runs as zero_runs
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise

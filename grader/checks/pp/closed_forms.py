@@ -2,13 +2,12 @@
 steps of the course's schedules."""
 from __future__ import annotations
 
-from dtp import pipeline
+from dtp.pp import schedules as pipeline
 
 from ...compare import expect_answer
 from ...registry import Check, exercise
 from ..common import describe_call
 from .schedules import event_simulation
-
 
 # --- 3. closed forms --------------------------------------------------------------------------
 
@@ -29,11 +28,11 @@ class ClosedForms(Check):
     peak_in_flight(schedule, p, m, stage[, v]) equals the simulated peak of GPipe, 1F1B, ZB-H1
     (m below and above p) and interleaved 1F1B (chunk activation sets, v = 2 or 3, m = p to 3p)
     on the first, the last and a random stage. Exact rationals (fractions.Fraction) are numbers.
-    Fakes: dtp.pipeline's closed forms trip; inputs are random.
+    Fakes: dtp.pp.schedules's closed forms trip; inputs are random.
     """
 
     reads = ("bubble_fraction", "bubble_over_ideal", "peak_in_flight")
-    references = ("dtp.pipeline.bubble_fraction", "dtp.pipeline.bubble_over_ideal", "dtp.pipeline.peak_in_flight")
+    references = ("dtp.pp.schedules.bubble_fraction", "dtp.pp.schedules.bubble_over_ideal", "dtp.pp.schedules.peak_in_flight")
     timeout_s = 15
 
     def prepare(self, rng):

@@ -16,13 +16,13 @@ class Interview(InterviewQuestions):
     bubble as a share of a 1F1B step, the micro-batches stage 0 holds at most, the messages and
     the GiB that cross one stage boundary per step (both directions).
     Fakes: a number copied from the page answers only the question asked, not the random ones;
-    dtp.pipeline's closed forms trip.
+    dtp.pp.schedules's closed forms trip.
     """
 
     reads = ("interview_bubble_fraction", "interview_peak_micro_batches", "interview_boundary_messages",
              "interview_boundary_gib")
-    references = ("dtp.pipeline.bubble_fraction", "dtp.pipeline.bubble_over_ideal", "dtp.pipeline.peak_in_flight",
-                  "dtp.pipeline.boundary_messages_per_step", "dtp.pipeline.boundary_bytes_per_step")
+    references = ("dtp.pp.schedules.bubble_fraction", "dtp.pp.schedules.bubble_over_ideal", "dtp.pp.schedules.peak_in_flight",
+                  "dtp.pp.schedules.boundary_messages_per_step", "dtp.pp.schedules.boundary_bytes_per_step")
     asked = {"interview_bubble_fraction": (P, M), "interview_peak_micro_batches": (P, M),
              "interview_boundary_messages": (P, M),
              "interview_boundary_gib": (M, MICRO_BATCH, SEQUENCE, HIDDEN, BYTES)}

@@ -8,19 +8,19 @@ forward takes T_F, a backward T_B, issuing a message nothing) and measures the i
 replayed timeline. The verdict depends only on what the ranks did and in which order, never on
 how busy the machine was; a correct 1F1B step idles exactly (p-1)/(m+p-1).
 
-Wall-clock measurements of the same step (dtp.pipeline.measure_sleeping_pipeline) stay on the
+Wall-clock measurements of the same step (dtp.pp.schedules.measure_sleeping_pipeline) stay on the
 page and in the benchmark.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from dtp import pipeline
-from dtp.traffic import CommunicationLog
+from dtp.common.traffic import CommunicationLog
+from dtp.pp import schedules as pipeline
 
-from ...compare import CheckFailed, expect, expect_answer
+from ...compare import CheckFailed, RanksFailed, expect, expect_answer
 from ...registry import Check, exercise
-from ..common import RanksFailed, completed_worlds, raise_world_failure, run_worlds
+from ..common import completed_worlds, raise_world_failure, run_worlds
 from .real_pipeline import _judge_order
 
 T_F, T_B = 1.0, 2.0  # logical durations: a backward costs two forwards (two matrix products to one)
@@ -107,7 +107,7 @@ def replay(sequences: list) -> dict:
     (the n-th from that peer with that tag) has been issued, if that is later; waiting on a send
     ends when the matching receive has been posted: measured on torch 2.13's gloo, a send's
     handle completes only once the receiver has posted its recv, even for a 32-byte message
-    (tests/test_pp_load.py::test_a_gloo_send_completes_only_once_its_receive_is_posted).
+    (tests/pp/test_pp_load.py::test_a_gloo_send_completes_only_once_its_receive_is_posted).
     Returns each rank's compute intervals (start, end, kind) and each wait that advanced a
     rank's clock; raises CheckFailed if no rank can go on (a deadlock)."""
     p = len(sequences)
@@ -215,12 +215,12 @@ class MeasuredBubble(Check):
     ops, sends, receives and waits.
     Fakes: a GPipe order (peak m) fails the order; a stage that waits for a message its next op
     does not need (a gradient before a forward, a send before computing on) idles more in the
-    replay; ops run before their message was waited on are refused; dtp.pipeline.idle_fraction
+    replay; ops run before their message was waited on are refused; dtp.pp.schedules.idle_fraction
     trips.
     """
 
     reads = ("one_f_one_b_step", "measured_bubble")
-    references = ("dtp.pipeline.idle_fraction",)
+    references = ("dtp.pp.schedules.idle_fraction",)
     timeout_s = 60
     runs_world = True
 

@@ -6,13 +6,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from dtp import pipeline
-from dtp.traffic import CommunicationLog
+from dtp.common.traffic import CommunicationLog
+from dtp.pp import schedules as pipeline
 
 from ...compare import CheckFailed, expect, expect_answer, expect_close
 from ...registry import Check, exercise
 from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
-
 
 # --- 4. a real 1F1B pipeline on gloo ----------------------------------------------------------
 

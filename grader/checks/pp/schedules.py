@@ -1,6 +1,6 @@
 """Exercise 1: the four schedule generators, judged against the grader's own event simulation
-(a priority queue of op completions and message arrivals, independent of `dtp.pipeline.simulate`,
-which is a longest-path computation; tests/test_pp_pipeline.py holds both to the closed forms)."""
+(a priority queue of op completions and message arrivals, independent of `dtp.pp.schedules.simulate`,
+which is a longest-path computation; tests/pp/test_pp_pipeline.py holds both to the closed forms)."""
 from __future__ import annotations
 
 import heapq
@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 
-from dtp import pipeline
+from dtp.pp import schedules as pipeline
 
 from ...compare import CheckFailed, expect
 from ...registry import Check, exercise
@@ -179,7 +179,7 @@ class ScheduleCheck(Check):
     times against the closed form (a valid schedule may still idle more than it needs to)."""
 
     function = ""
-    name = ""  # the schedule's name in dtp.pipeline.SCHEDULES
+    name = ""  # the schedule's name in dtp.pp.schedules.SCHEDULES
     split = False
     timeout_s = 20
     summary = ""
@@ -244,11 +244,11 @@ class GPipeSchedule(ScheduleCheck):
     """Verifies: one list per stage holding every F and B once, B after its F, no deadlock, every
     stage runs all its forwards before any backward (so it holds m micro-batches), and the time
     (m+p-1)(t_F+t_B) under random op times, for p from 1 to 6 and m below, at and above p.
-    Fakes: a table of schedules cannot cover the random (p, m); dtp.pipeline's generator trips.
+    Fakes: a table of schedules cannot cover the random (p, m); dtp.pp.schedules's generator trips.
     """
 
     function, name = "gpipe_schedule", "GPipe"
-    references = ("dtp.pipeline.gpipe_schedule",)
+    references = ("dtp.pp.schedules.gpipe_schedule",)
     summary = ("every stage runs all m forwards, then all m backwards; complete, deadlock-free, and as fast as GPipe "
                "can be, (m+p-1)(t_F+t_B), for random p, m and op times")
 
@@ -269,11 +269,11 @@ class OneFOneBSchedule(ScheduleCheck):
     micro-batches' activations (1F1B's defining bound, which GPipe's order breaks), and the time
     (m+p-1)(t_F+t_B) under random op times, for p from 1 to 6 and m below, at and above p.
     Any order with these properties passes (e.g. micro-batches numbered the other way).
-    Fakes: random (p, m); dtp.pipeline's generator trips.
+    Fakes: random (p, m); dtp.pp.schedules's generator trips.
     """
 
     function, name = "one_f_one_b_schedule", "1F1B"
-    references = ("dtp.pipeline.one_f_one_b_schedule",)
+    references = ("dtp.pp.schedules.one_f_one_b_schedule",)
     summary = ("complete and deadlock-free; stage s never holds more than min(p-s, m) micro-batches, and the step takes "
                "(m+p-1)(t_F+t_B), for random p, m (below, at and above p) and op times")
 
@@ -296,11 +296,11 @@ class InterleavedSchedule(ScheduleCheck):
     times, for p from 1 to 4, v = 2 and 3, m = p, 2p and 3p in every grading. Fakes: random
     cases; a breadth-first order (each chunk for all m micro-batches before the next chunk, with
     the warm-up it needs) holds more than the bound whenever m >= 2p, drawn every time;
-    dtp.pipeline's generator trips.
+    dtp.pp.schedules's generator trips.
     """
 
     function, name = "interleaved_schedule", "interleaved 1F1B"
-    references = ("dtp.pipeline.interleaved_schedule",)
+    references = ("dtp.pp.schedules.interleaved_schedule",)
     summary = ("complete and deadlock-free over p·v virtual stages; bounded activations, (v+1)·p - 1 chunks at most, "
                "and a step of (v·m + p-1)(t_F+t_B): the bubble shrinks v times")
 
@@ -328,11 +328,11 @@ class ZeroBubbleH1Schedule(ScheduleCheck):
     than min(p, m) micro-batches until their W (1F1B's peak), and, for m >= p, the time
     m(t_F+t_B+t_W) + (p-1)(t_F+t_B-t_W) with t_F = t_B = t_W (the paper's assumption: a third
     of 1F1B's bubble) and with random times t_W <= min(t_F, t_B), where the closed form holds.
-    p from 2 to 6, m below and above p. Fakes: random cases; dtp.pipeline's generator trips.
+    p from 2 to 6, m below and above p. Fakes: random cases; dtp.pp.schedules's generator trips.
     """
 
     function, name, split = "zb_h1_schedule", "ZB-H1", True
-    references = ("dtp.pipeline.zb_h1_schedule",)
+    references = ("dtp.pp.schedules.zb_h1_schedule",)
     summary = ("B and W split, at most min(p, m) micro-batches held on any stage (1F1B's peak), and the step takes "
                "m(t_F+t_B+t_W) + (p-1)(t_F+t_B-t_W) for equal and for random op times with t_W <= min(t_F, t_B): "
                "with equal times a third of 1F1B's bubble")
@@ -347,7 +347,7 @@ class ZeroBubbleH1Schedule(ScheduleCheck):
 
     def prepare(self, rng):
         # The closed form holds for t_W <= min(t_F, t_B) (verified with the simulator on random
-        # times, tests/test_pp_pipeline.py): the first case takes the paper's T_F = T_B = T_W, the
+        # times, tests/pp/test_pp_pipeline.py): the first case takes the paper's T_F = T_B = T_W, the
         # others random times in that range, t_W at most and sometimes exactly the smaller one.
         drawn = []
         for index, case in enumerate(self.cases(rng)):

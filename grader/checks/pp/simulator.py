@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtp import pipeline
+from dtp.pp import schedules as pipeline
 
 from ...compare import CheckFailed, expect, expect_answer
 from ...registry import Check, exercise
 from .schedules import KINDS, _needs, _peak, describe_op, event_simulation
-
 
 # --- 2. the timeline simulator ----------------------------------------------------------------
 
@@ -189,11 +188,11 @@ class Simulator(Check):
     valid orders (split backward or not, v = 1 and 2, p = 1 to 5) with random op times and P2P
     times; a deadlocking order must raise ValueError (or any exception) within 2 seconds.
     Fakes: a simulator that only knows the textbook schedules fails the random orders;
-    dtp.pipeline.simulate trips.
+    dtp.pp.schedules.simulate trips.
     """
 
     reads = ("simulate_pipeline",)
-    references = ("dtp.pipeline.simulate",)
+    references = ("dtp.pp.schedules.simulate",)
     timeout_s = 30
 
     def prepare(self, rng):

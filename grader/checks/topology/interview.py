@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import functools
 
-from dtp import topology
-from dtp import topology_planner as planner
+from dtp.topology import mesh as topology
+from dtp.topology import planner
 
 from ...registry import exercise
 from ..common import InterviewQuestions
@@ -46,10 +46,10 @@ class Interview(InterviewQuestions):
     notes' TP 8, EP 8, PP 8, DP 16, ZeRO-1), each on the questions asked and on random ones
     (node sizes and powers of two; layouts among the planner's candidates).
     Fakes: a number copied from the page answers the asked question only, not the drawn ones;
-    dtp.topology's and dtp.topology_planner's functions trip."""
+    dtp.topology.mesh's and dtp.topology.planner's functions trip."""
 
     reads = ("interview_ep_group_nodes",) + LAYOUT_QUESTIONS
-    references = PLANNER_REFERENCES + LINK_REFERENCES + LAYOUT_REFERENCES + ("dtp.topology.nodes_spanned",)
+    references = PLANNER_REFERENCES + LINK_REFERENCES + LAYOUT_REFERENCES + ("dtp.topology.mesh.nodes_spanned",)
     asked = {"interview_ep_group_nodes": (8, 8, 8),
              **{name: tuple(getattr(NOTES_LAYOUT, field) for field in QUESTION_FIELDS)
                 for name in LAYOUT_QUESTIONS}}

@@ -7,16 +7,16 @@ import math
 import numpy as np
 import torch.distributed as dist
 
-from dtp import topology
+from dtp.topology import mesh as topology
 
 from ...compare import CheckFailed, expect
 from ...registry import Check, exercise
 from ..common import completed_worlds, raise_world_failure, run_worlds
 
-LAYOUT_REFERENCES = ("dtp.topology.rank_coordinates", "dtp.topology.parallel_groups",
-                     "dtp.topology.device_mesh_arguments", "dtp.topology.coordinates_to_rank",
-                     "dtp.topology.factors", "dtp.topology.mesh_groups_on_rank")
-LINK_REFERENCES = ("dtp.topology.dimension_links", "dtp.topology._links")  # _links: its cached body
+LAYOUT_REFERENCES = ("dtp.topology.mesh.rank_coordinates", "dtp.topology.mesh.parallel_groups",
+                     "dtp.topology.mesh.device_mesh_arguments", "dtp.topology.mesh.coordinates_to_rank",
+                     "dtp.topology.mesh.factors", "dtp.topology.mesh.mesh_groups_on_rank")
+LINK_REFERENCES = ("dtp.topology.mesh.dimension_links", "dtp.topology.mesh._links")  # _links: its cached body
 
 
 def _describe_layout(sizes: dict, order) -> str:
@@ -128,7 +128,7 @@ class RankLayout(Check):
     outermost), orders that are neither the course's nor the one `sizes` lists (an answer that
     ignores `order`), a dimension of size 1, and EP laid out both inside and outside DP's other
     factor (the two readings of the "dp" coordinate).
-    Fakes: dtp.topology trips; a table cannot match random layouts; patching DeviceMesh in the
+    Fakes: dtp.topology.mesh trips; a table cannot match random layouts; patching DeviceMesh in the
     sandbox gains nothing, since the arguments are compared with the oracle's directly.
     """
 
@@ -328,7 +328,7 @@ class Links(Check):
     """Verifies: "intra-node" or "inter-node" for every group name of random layouts (EP
     included) on nodes of 2, 4 or 8 GPUs, among them layouts whose groups straddle a node
     boundary (TP = 3 on nodes of 4) and the source notes' 1024-GPU layout.
-    Fakes: dtp.topology.dimension_links trips; random layouts.
+    Fakes: dtp.topology.mesh.dimension_links trips; random layouts.
     """
 
     reads = ("dimension_links",)

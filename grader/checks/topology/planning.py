@@ -6,14 +6,16 @@ import functools
 
 import numpy as np
 
-from dtp import moe, topology, zero
-from dtp import topology_planner as planner
+from dtp.ep import moe
+from dtp.topology import mesh as topology
+from dtp.topology import planner
+from dtp.zero import formulas as zero
 
 from ...compare import CheckFailed, expect, expect_answer
 from ...registry import Check, exercise
 from .layout import LINK_REFERENCES
 
-PLANNER_REFERENCES = tuple(f"dtp.topology_planner.{name}" for name in (
+PLANNER_REFERENCES = tuple(f"dtp.topology.planner.{name}" for name in (
     "plan", "evaluate", "candidate_layouts", "step_time", "traffic_per_gpu", "memory_per_gpu",
     "peak_memory_per_gpu", "moe_extra_activation_bytes_per_layer", "bytes_by_link", "model_flops_utilization",
     "dp_bytes_per_gpu", "expert_tokens_per_gpu", "folded_group_link"))
@@ -114,7 +116,7 @@ class Planner(Check):
     DP traffic counted once per step with sharded gradients, and every TP rank dispatching the
     whole micro-batch, and DP traffic hidden under more compute than the last backward (or none),
     are refused by name.
-    Fakes: dtp.topology_planner's planner functions trip; the cases are random.
+    Fakes: dtp.topology.planner's planner functions trip; the cases are random.
     """
 
     reads = ("plan_layouts",)

@@ -7,16 +7,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from dtp import topology
-from dtp.traffic import CommunicationLog
+from dtp.common.traffic import CommunicationLog
+from dtp.topology import mesh as topology
 
 from ...compare import CheckFailed, expect, expect_answer, expect_close
 from ...registry import Check, exercise
 from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
 from .layout import LAYOUT_REFERENCES
 
-TRAINING_REFERENCES = ("dtp.topology_training.train_3d_rank", "dtp.topology_training.ParallelMLP",
-                       "dtp.topology_training.ParallelAttention", "dtp.topology_training.ParallelBlock")
+TRAINING_REFERENCES = ("dtp.topology.training.train_3d_rank", "dtp.topology.training.ParallelMLP",
+                       "dtp.topology.training.ParallelAttention", "dtp.topology.training.ParallelBlock")
 
 STEPS = 3
 LEARNING_RATE = 0.1

@@ -6,14 +6,24 @@ import copy
 import numpy as np
 import torch
 
-from dtp import tensor_parallel as tp
-from dtp.traffic import CommunicationLog
+from dtp.common.traffic import CommunicationLog
+from dtp.tp import tensor_parallel as tp
 
 from ...compare import CheckFailed, expect
 from ...registry import Check, exercise
 from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
-from .shared import (DTENSOR_TP, close, held_parameters, leaf, run_backward, describe_collectives,
-                     expect_collectives, DenseParameters, locate_shards, judge_gradients)
+from .shared import (
+    DTENSOR_TP,
+    DenseParameters,
+    close,
+    describe_collectives,
+    expect_collectives,
+    held_parameters,
+    judge_gradients,
+    leaf,
+    locate_shards,
+    run_backward,
+)
 
 # --- 4 and 5. the tensor-parallel and sequence-parallel block ------------------------------------------
 
@@ -56,7 +66,7 @@ def _block_on_rank(rank, world_size, block_class, sync, case, sequence_parallel)
 
 
 def dense_block_reference(case) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """The oracle: the same dtp.gpt Block in float64, forward and backward on the whole input."""
+    """The oracle: the same dtp.common.gpt Block in float64, forward and backward on the whole input."""
     block = tp.random_block(case["hidden"], case["heads"], case["seed"])
     values = {name: p.detach().numpy().copy() for name, p in block.named_parameters()}
     reference = copy.deepcopy(block).double()
@@ -134,7 +144,7 @@ def _judge_block(case, n, per_rank, sequence_parallel: bool, what_block: str) ->
 
 @exercise("tp.parallel_block", points=4)
 class ParallelBlock(Check):
-    """Verifies: TensorParallelBlock(block) on 2 and 4 ranks equals the dense dtp.gpt Block (same
+    """Verifies: TensorParallelBlock(block) on 2 and 4 ranks equals the dense dtp.common.gpt Block (same
     random weights, LayerNorms included) in output, input gradient and every parameter gradient;
     each rank holds q, k and v of the same t-th of the heads and 1/t of every matrix; forward
     issues exactly 2 all-reduces of b·s·h floats and backward 2 more (a reduce-scatter plus an

@@ -1,7 +1,7 @@
 """Exercise 7 and the interview: message sizes, ring traffic, and what they cost on a link."""
 from __future__ import annotations
 
-from dtp import tensor_parallel as tp
+from dtp.tp import tensor_parallel as tp
 
 from ...compare import expect, expect_answer
 from ...registry import Check, exercise
@@ -34,10 +34,10 @@ class Costs(Check):
     """
 
     reads = ("allreduce_message_bytes", "ring_traffic_per_gpu_per_layer", "communication_to_compute_ratio")
-    references = ("dtp.tensor_parallel.all_reduce_message_bytes", "dtp.tensor_parallel.ring_bytes_per_gpu_per_layer",
-                  "dtp.tensor_parallel.communication_to_compute_ratio", "dtp.tensor_parallel.layer_training_flops",
-                  "dtp.tensor_parallel.layer_communication_time_s", "dtp.memory.transformer_training_flops",
-                  "dtp.memory.model_flops_per_token", "dtp.costs.ring_all_reduce_bytes_per_rank")
+    references = ("dtp.tp.tensor_parallel.all_reduce_message_bytes", "dtp.tp.tensor_parallel.ring_bytes_per_gpu_per_layer",
+                  "dtp.tp.tensor_parallel.communication_to_compute_ratio", "dtp.tp.tensor_parallel.layer_training_flops",
+                  "dtp.tp.tensor_parallel.layer_communication_time_s", "dtp.memory.formulas.transformer_training_flops",
+                  "dtp.memory.formulas.model_flops_per_token", "dtp.dp.costs.ring_all_reduce_bytes_per_rank")
     timeout_s = 15
 
     def prepare(self, rng):
@@ -99,9 +99,9 @@ class Interview(InterviewQuestions):
 
     reads = ("interview_allreduce_mib", "interview_traffic_per_gpu_mib", "interview_nvlink_ms",
              "interview_infiniband_ms")
-    references = ("dtp.tensor_parallel.all_reduce_message_bytes", "dtp.tensor_parallel.ring_bytes_per_gpu_per_layer",
-                  "dtp.tensor_parallel.layer_communication_time_s", "dtp.tensor_parallel.gigabits_to_bytes_per_s",
-                  "dtp.costs.ring_all_reduce_bytes_per_rank")
+    references = ("dtp.tp.tensor_parallel.all_reduce_message_bytes", "dtp.tp.tensor_parallel.ring_bytes_per_gpu_per_layer",
+                  "dtp.tp.tensor_parallel.layer_communication_time_s", "dtp.tp.tensor_parallel.gigabits_to_bytes_per_s",
+                  "dtp.dp.costs.ring_all_reduce_bytes_per_rank")
     asked = {"interview_allreduce_mib": (4096, 8192, 2), "interview_traffic_per_gpu_mib": (4096, 8192, 2, 8),
              "interview_nvlink_ms": (448, 900), "interview_infiniband_ms": (448, 400)}
     rel = 1e-3

@@ -7,14 +7,24 @@ import numpy as np
 import torch
 from torch import nn
 
-from dtp import tensor_parallel as tp
-from dtp.traffic import CommunicationLog
+from dtp.common.traffic import CommunicationLog
+from dtp.tp import tensor_parallel as tp
 
 from ...compare import CheckFailed
 from ...registry import Check, exercise
 from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
-from .shared import (DTENSOR_TP, close, matches, held_parameters, leaf, run_backward, expect_collectives,
-                     DenseParameters, judge_shards, scaled_gradient_causes)
+from .shared import (
+    DTENSOR_TP,
+    DenseParameters,
+    close,
+    expect_collectives,
+    held_parameters,
+    judge_shards,
+    leaf,
+    matches,
+    run_backward,
+    scaled_gradient_causes,
+)
 
 # --- 3. column- and row-parallel linear layers -------------------------------------------------------
 

@@ -5,12 +5,12 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from dtp.traffic import CommunicationLog
+from dtp.common.traffic import CommunicationLog
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
 from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
-from .shared import close, matches, leaf, run_backward, expect_collectives
+from .shared import close, expect_collectives, leaf, matches, run_backward
 
 # --- 1. numpy MLP over simulated ranks -------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dtp import tensor_parallel as tp
+from dtp.tp import tensor_parallel as tp
 
 from ...compare import CheckFailed, expect, expect_close
 

@@ -6,14 +6,22 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dtp import tensor_parallel as tp
-from dtp.traffic import CommunicationLog
+from dtp.common.traffic import CommunicationLog
+from dtp.tp import tensor_parallel as tp
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
 from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
-from .shared import (DTENSOR_TP, close, held_parameters, leaf, run_backward, expect_collectives,
-                     DenseParameters, judge_shards)
+from .shared import (
+    DTENSOR_TP,
+    DenseParameters,
+    close,
+    expect_collectives,
+    held_parameters,
+    judge_shards,
+    leaf,
+    run_backward,
+)
 
 # --- 6. vocabulary-parallel embedding and cross-entropy -------------------------------------------
 

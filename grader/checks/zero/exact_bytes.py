@@ -1,25 +1,26 @@
 """Exercise 5 of the ZeRO chapter: the exact bytes a rank holds and sends per step, padding
-included, against `dtp.zero.held_bytes_per_rank` and `dtp.zero.sent_bytes_per_rank` (which
-tests/test_zero_formulas.py checks against measured gloo runs)."""
+included, against `dtp.zero.formulas.held_bytes_per_rank` and `dtp.zero.formulas.sent_bytes_per_rank` (which
+tests/zero/test_zero_formulas.py checks against measured gloo runs)."""
 from __future__ import annotations
 
 import numpy as np
 
-from dtp import zero
+from dtp.zero import formulas as zero
 
 from ...compare import expect, expect_answer
 from ...registry import Check, exercise
 from ..common import describe_call
+
 
 @exercise("zero.bytes_per_step", points=2)
 class BytesPerStep(Check):
     """Verifies: bytes a rank holds (weights, gradients, Adam state) and sends per step (ring
     collectives) for the course's fp32 runs, with each unit padded to n·ceil(u/n), on random
     units and world sizes (sizes not divisible by n, one flat unit, many units), stages 0 to 3.
-    Fakes: dtp.zero's functions trip; inputs are drawn at random."""
+    Fakes: dtp.zero.formulas's functions trip; inputs are drawn at random."""
 
     reads = ("zero_bytes_held", "zero_bytes_sent")
-    references = ("dtp.zero.held_bytes_per_rank", "dtp.zero.sent_bytes_per_rank")
+    references = ("dtp.zero.formulas.held_bytes_per_rank", "dtp.zero.formulas.sent_bytes_per_rank")
     timeout_s = 15
 
     def prepare(self, rng):

@@ -1,7 +1,8 @@
 """The ZeRO chapter's interview questions: answers as functions of the question's numbers."""
 from __future__ import annotations
 
-from dtp import memory, zero
+from dtp.memory import formulas as memory
+from dtp.zero import formulas as zero
 
 from ...registry import exercise
 from ..common import InterviewQuestions
@@ -17,13 +18,13 @@ class Interview(InterviewQuestions):
     GB ZeRO-3 sends per step), on the questions the notebook asks (the source notes' 70B
     examples) and on random ones.
     Fakes: a number copied from the page answers the asked question only, not the drawn ones;
-    dtp.zero's functions trip."""
+    dtp.zero.formulas's functions trip."""
 
     reads = ("interview_zero3_gb_per_gpu", "interview_fewest_gpus_zero3", "interview_zero1_saving",
              "interview_zero2_gb_per_gpu", "interview_zero3_gb_sent_per_gpu")
-    references = ("dtp.zero.model_state_bytes_per_gpu", "dtp.zero.model_state_breakdown_per_gpu",
-                  "dtp.zero.memory_saving_factor", "dtp.zero.fewest_gpus_to_fit",
-                  "dtp.zero.communication_bytes_per_gpu", "dtp.zero.communication_elements_per_gpu")
+    references = ("dtp.zero.formulas.model_state_bytes_per_gpu", "dtp.zero.formulas.model_state_breakdown_per_gpu",
+                  "dtp.zero.formulas.memory_saving_factor", "dtp.zero.formulas.fewest_gpus_to_fit",
+                  "dtp.zero.formulas.communication_bytes_per_gpu", "dtp.zero.formulas.communication_elements_per_gpu")
     asked = {"interview_zero3_gb_per_gpu": (ASKED_PARAMETERS, 8),
              "interview_fewest_gpus_zero3": (ASKED_PARAMETERS, memory.GPU_MEMORY_MIB["H100 80GB"], 16),
              "interview_zero1_saving": (8,),

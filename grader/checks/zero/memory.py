@@ -1,8 +1,8 @@
 """Exercise 1 of the ZeRO chapter: model-state memory per GPU and the saving factor, stage by
-stage, against the closed forms of `dtp.zero` (mixed-precision Adam, 16 bytes per parameter)."""
+stage, against the closed forms of `dtp.zero.formulas` (mixed-precision Adam, 16 bytes per parameter)."""
 from __future__ import annotations
 
-from dtp import zero
+from dtp.zero import formulas as zero
 
 from ...compare import expect_answer
 from ...registry import Check, exercise
@@ -37,11 +37,11 @@ class MemoryPerGpu(Check):
     """Verifies: model-state bytes per GPU of mixed-precision Adam (2 + 2 + 12 bytes per
     parameter) for stages 0 to 3, and the saving factor over plain data parallelism, on random
     Ψ and Nd (Nd = 1, 8, 64 and 1024 among them).
-    Fakes: dtp.zero's functions trip; inputs are drawn at random."""
+    Fakes: dtp.zero.formulas's functions trip; inputs are drawn at random."""
 
     reads = ("zero_memory_per_gpu", "zero_saving_factor")
-    references = ("dtp.zero.model_state_bytes_per_gpu", "dtp.zero.model_state_breakdown_per_gpu",
-                  "dtp.zero.memory_saving_factor", "dtp.zero.hybrid_sharding_bytes_per_gpu")
+    references = ("dtp.zero.formulas.model_state_bytes_per_gpu", "dtp.zero.formulas.model_state_breakdown_per_gpu",
+                  "dtp.zero.formulas.memory_saving_factor", "dtp.zero.formulas.hybrid_sharding_bytes_per_gpu")
     timeout_s = 15
 
     def prepare(self, rng):

@@ -3,17 +3,18 @@
 
 Oracles, computed in the grader: single-process Adam on the full batch (which plain data-parallel
 Adam equals), and the layout a run used, recovered from the pieces it all-gathered
-(`dtp.zero.units_from_pieces`). Mechanisms, from what the learner's code did on each rank: the
+(`dtp.zero.formulas.units_from_pieces`). Mechanisms, from what the learner's code did on each rank: the
 collectives recorded on the process group, the bytes of the tensors it kept
-(`dtp.zero_measure.held_bytes`), and the full weights and gradients alive after every operation,
-per unit (`dtp.zero_measure.FullTensorTracker`), all recorded by `dtp.zero_runs.train_zero_rank`.
+(`dtp.zero.measure.held_bytes`), and the full weights and gradients alive after every operation,
+per unit (`dtp.zero.measure.FullTensorTracker`), all recorded by `dtp.zero.runs.train_zero_rank`.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from dtp import zero, zero_runs
-from dtp.models import tiny_mlp
+from dtp.common.models import tiny_mlp
+from dtp.zero import formulas as zero
+from dtp.zero import runs as zero_runs
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise

@@ -2,17 +2,18 @@
 
 The check draws the model (vocabulary, blocks, hidden size, heads) and the world; the learner's
 `ZeRO3Module(model, units)` wraps it with each block a unit and the root for the rest. Oracle, in
-the grader: single-process AdamW on the whole batch (`dtp.zero_runs.single_process_adamw_gpt`),
+the grader: single-process AdamW on the whole batch (`dtp.zero.runs.single_process_adamw_gpt`),
 with the pieces of every rank put back together unit by unit. Mechanisms, from what each rank did
-(`dtp.zero_runs.train_zero3_gpt_rank`): the collectives and their order against the forward,
+(`dtp.zero.runs.train_zero3_gpt_rank`): the collectives and their order against the forward,
 backward and step marks; the bytes of the tensors it kept; the gathered weights alive after every
-operation and how many units' all-gathers they came from (`dtp.zero_measure.FullTensorTracker`).
+operation and how many units' all-gathers they came from (`dtp.zero.measure.FullTensorTracker`).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from dtp import zero, zero_runs
+from dtp.zero import formulas as zero
+from dtp.zero import runs as zero_runs
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
@@ -202,12 +203,12 @@ class ZeRO3(Check):
     operation, once gloo has let go of its buffers; never judged by time), never amount to all
     weights, and are gone after backward and after the step; AdamW's state and the gradients cover
     the pieces only, and the gradients are averaged (from AdamW's first momentum).
-    Fakes: torch's fully_shard/FSDP and the course's dtp.sharded.ZeRO3 trip; letting autograd keep
+    Fakes: torch's fully_shard/FSDP and the course's dtp.zero.sharded.ZeRO3 trip; letting autograd keep
     the gathered weights (the missing backward all-gathers, the units counted alive); keeping the
     model's parameters (bytes); a hard-coded model (the model and its sizes are drawn)."""
 
     reads = ("ZeRO3Module",)
-    references = FSDP_REFERENCES + ("dtp.sharded.ZeRO3",)
+    references = FSDP_REFERENCES + ("dtp.zero.sharded.ZeRO3",)
     world_sizes = (3, 4)
     timeout_s = 90
     runs_world = True

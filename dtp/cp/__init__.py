@@ -1,0 +1,2 @@
+"""Chapter 8, context parallelism: blockwise and ring attention, zigzag, Ulysses, and their bytes
+and memory (`context_parallel`)."""

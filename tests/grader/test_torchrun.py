@@ -1,0 +1,31 @@
+"""The course's multi-process programs run unchanged under torchrun (env:// initialisation,
+gloo on this machine): one demo per chapter, launched with `torchrun --nproc-per-node`."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from grader.demos import DEMOS
+
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+
+@pytest.mark.parametrize("chapter", sorted(DEMOS))
+def test_each_chapters_demo_runs_under_torchrun(chapter):
+    processes, _ = DEMOS[chapter]
+    completed = subprocess.run([str(TORCHRUN), "--nproc-per-node", str(processes), "-m", "grader.demos", chapter],
+                               cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    lines = [line for line in completed.stdout.splitlines() if line.startswith(f"{chapter}: ")]
+    assert len(lines) == 1, completed.stdout  # printed once, by rank 0
+    assert f"{processes} ranks" in lines[0]
+
+
+def test_a_demo_refuses_a_world_of_the_wrong_size():
+    completed = subprocess.run([sys.executable, "-c", "from dtp.common.world import run_world; run_world(print, 3)"],
+                               cwd=REPO, capture_output=True, text=True, timeout=120,
+                               env={"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                                    "PATH": "/usr/bin"})
+    assert completed.returncode != 0 and "--nproc-per-node 3" in completed.stderr

@@ -200,7 +200,7 @@ def _zero3_rank(rank, world_size, steps, groups=False, micro_batches=1, reduce_o
     state = zero.full_state_dict(optimizer if save else None)
     return {"weights": state["model"], "losses": losses, "peaks": peaks, "left": (left_after_step, zero.gathered_units()),
             "evaluation": evaluation, "saved": state if save else None,
-            "piece elements": sum(p.numel() for p in zero.parameters())}
+            "piece elements": sum(p.to_local().numel() for p in zero.parameters())}
 
 
 @pytest.mark.parametrize("world_size, groups", [(2, False), (3, True), (4, False)])

@@ -144,7 +144,7 @@ class ZeRO3(nn.Module):
         replicated = list(replicated)
         for u in unit_modules + replicated:
             if id(u) not in modules:
-                raise ValueError(f"unit {type(u).__name__} is not a submodule of the wrapped model")
+                raise ValueError(f"{type(u).__name__} is not a submodule of the wrapped model")
         if len({id(u) for u in unit_modules}) != len(unit_modules):
             raise ValueError("a module is listed twice among the units")
         unit_names = [modules[id(u)] for u in unit_modules]

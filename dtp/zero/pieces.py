@@ -80,22 +80,38 @@ def reduce_scatter_mean(fulls: list[torch.Tensor], dtype: torch.dtype) -> list[t
 def global_norm(local_values: list[torch.Tensor], norm_type: float, replicated: list[torch.Tensor] = ()) -> torch.Tensor:
     """The p-norm of tensors whose elements are spread over the ranks (`local_values`: this rank's
     real elements of each) together with tensors every rank holds whole (`replicated`, counted
-    once): one all-reduce, of the p-th powers summed (of the largest magnitude for p = inf)."""
+    once): one all-reduce, of the p-th powers summed (of the largest magnitude for p = inf, the
+    smallest for p = -inf)."""
     norm_type = float(norm_type)
     if math.isinf(norm_type):
-        largest = [v.detach().abs().max().float() for v in local_values if v.numel()]
-        local = torch.stack(largest).max() if largest else torch.zeros(())
-        dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN)
-        whole = [r.detach().abs().max().float() for r in replicated if r.numel()]
-        if not whole:
-            return local
-        return torch.maximum(local, torch.stack(whole).max()) if norm_type > 0 else torch.minimum(local, torch.stack(whole).min())
-    powers = [torch.linalg.vector_norm(v.detach(), norm_type).float() ** norm_type for v in local_values]
+        extreme, op = (torch.max, dist.ReduceOp.MAX) if norm_type > 0 else (torch.min, dist.ReduceOp.MIN)
+        values = [extreme(v.detach().abs()).float() for v in local_values if v.numel()]
+        local = extreme(torch.stack(values)) if values else torch.tensor(0.0 if norm_type > 0 else math.inf)
+        dist.all_reduce(local, op=op)
+        whole = [extreme(r.detach().abs()).float() for r in replicated if r.numel()]
+        return extreme(torch.stack([local, *whole]))
+    # Each tensor's p-norm raised to p: summed, they are the p-th power of the norm of them all
+    # (for p = 0, the count of non-zero elements, which sums as it is).
+    power = 1.0 if norm_type == 0 else norm_type
+    powers = [torch.linalg.vector_norm(v.detach(), norm_type).float() ** power for v in local_values]
     local = torch.stack(powers).sum() if powers else torch.zeros(())
     dist.all_reduce(local)
     for r in replicated:
-        local = local + torch.linalg.vector_norm(r.detach(), norm_type).float() ** norm_type
-    return local ** (1.0 / norm_type) if norm_type != 0 else local
+        local = local + torch.linalg.vector_norm(r.detach(), norm_type).float() ** power
+    return local ** (1.0 / power)
+
+
+@torch.no_grad()
+def clip_to_norm(spread: list[tuple[torch.Tensor, torch.Tensor]], whole: list[torch.Tensor], max_norm: float,
+                 norm_type: float = 2.0) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` over gradients spread over the ranks ((a rank's gradient
+    piece, its real elements) pairs) and gradients every rank holds whole: the global norm (one
+    all-reduce), returned before clipping; the gradients scaled by min(1, max_norm / (norm + 1e-6))."""
+    total = global_norm([real for _, real in spread], norm_type, whole)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in [g for g, _ in spread] + list(whole):
+        g.mul_(coefficient)
+    return total
 
 
 # --- PieceTensor ----------------------------------------------------------------------------------

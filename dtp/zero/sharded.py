@@ -49,7 +49,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dtp.zero.mixed_precision import NORMALIZATION_LAYERS, MixedPrecision, cast_floating
-from dtp.zero.pieces import PieceTensor, gather_pieces, global_norm, piece_of, reduce_scatter_mean
+from dtp.zero.pieces import PieceTensor, clip_to_norm, gather_pieces, piece_of, reduce_scatter_mean
 from dtp.zero.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["MixedPrecision", "NORMALIZATION_LAYERS", "PieceTensor", "ShardedOptimizer", "ZeRO3", "piece_of"]
@@ -296,11 +296,7 @@ class ZeRO3(nn.Module):
         before clipping, the same on every rank."""
         sharded = [p.grad for unit in self._units for p in unit.params if p.grad is not None]
         whole = [p.grad for p in self._replicated if p.grad is not None]
-        total = global_norm([g.real_part() for g in sharded], norm_type, whole)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in sharded + whole:
-            g.mul_(coefficient)
-        return total
+        return clip_to_norm([(g.to_local(), g.real_part()) for g in sharded], whole, max_norm, norm_type)
 
     def named_pieces(self):
         """(parameter name, parameter) as `self.module.named_parameters()` (older name, kept)."""

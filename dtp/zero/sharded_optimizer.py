@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtp.zero.mixed_precision import MixedPrecision
-from dtp.zero.pieces import gather_pieces, global_norm, piece_of, real_elements, reduce_scatter_mean
+from dtp.zero.pieces import clip_to_norm, gather_pieces, piece_of, real_elements, reduce_scatter_mean
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -133,18 +133,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         finally:
             self._syncing = True
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the averaged gradients so that their global norm is at most `max_norm`, as
         `torch.nn.utils.clip_grad_norm_` on one process; returns the norm before clipping."""
         self._reduce_pending()
-        grads = [self.pieces[i].grad for i in sorted(self._reduced)]
-        numels = [self.parameters[i].numel() for i in sorted(self._reduced)]
-        total = global_norm([g[:real_elements(u, self.rank, self.world_size)] for g, u in zip(grads, numels)], norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coefficient)
-        return total
+        reduced = sorted(self._reduced)
+        return clip_to_norm([(self.pieces[i].grad, self.pieces[i].grad[:real_elements(self.parameters[i].numel(), self.rank,
+                                                                                        self.world_size)])
+                             for i in reduced], [], max_norm, norm_type)
 
     def step(self, closure=None):
         loss = None

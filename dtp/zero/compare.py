@@ -36,7 +36,7 @@ def comparison_batches(steps: int) -> list[torch.Tensor]:
     return [torch.randint(0, CONFIG.vocab_size, (ROWS, SEQ + 1), generator=generator) for _ in range(steps)]
 
 
-def _loss(model, tokens):
+def comparison_loss(model, tokens):
     logits = model(tokens[:, :-1])
     return nn.functional.cross_entropy(logits.float().reshape(-1, CONFIG.vocab_size), tokens[:, 1:].reshape(-1))
 
@@ -89,7 +89,7 @@ def _run_rank(rank: int, world_size: int, run: str, steps: int, mixed: bool, nor
     share = ROWS // world_size
     losses = []
     for tokens in comparison_batches(steps):
-        loss = _loss(model, tokens[rank * share:(rank + 1) * share])
+        loss = comparison_loss(model, tokens[rank * share:(rank + 1) * share])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -104,7 +104,7 @@ def single_process_losses(steps: int) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     losses = []
     for tokens in comparison_batches(steps):
-        loss = _loss(model, tokens)
+        loss = comparison_loss(model, tokens)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

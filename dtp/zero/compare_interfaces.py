@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtp.common.world import run_world
-from dtp.zero.compare import ADAMW, ROWS, _loss, comparison_batches, comparison_model, fsdp2, zero3
+from dtp.zero.compare import ADAMW, ROWS, comparison_batches, comparison_loss, comparison_model, fsdp2, zero3
 from dtp.zero.sharded import NORMALIZATION_LAYERS, MixedPrecision, ShardedOptimizer
 
 COLUMNS = ("ZeRO3", "ShardedOptimizer", "FSDP2 fully_shard", "ZeroRedundancyOptimizer")
@@ -64,13 +64,13 @@ def _facts_rank(rank: int, world_size: int, column: str) -> dict:
     named = list(shown.named_parameters())
     facts = {"names": [(name, tuple(p.shape)) for name, p in named], "types": sorted({type(p).__name__ for _, p in named}),
              "stored": sum(_stored(p) for _, p in named) / sum(p.numel() for _, p in named)}
-    _loss(module, tokens).backward()
+    comparison_loss(module, tokens).backward()
     facts["torch clip norm"] = _number(torch.nn.utils.clip_grad_norm_([p for _, p in named], math.inf))
     if column == "ShardedOptimizer":
         facts["own clip norm"] = float(optimizer.clip_grad_norm_(math.inf))
         stage1_model = comparison_model()
         ShardedOptimizer(stage1_model.parameters(), torch.optim.AdamW, stage=1, **ADAMW)
-        _loss(stage1_model, tokens).backward()
+        comparison_loss(stage1_model, tokens).backward()
         facts["torch clip norm, stage 1"] = float(torch.nn.utils.clip_grad_norm_(stage1_model.parameters(), math.inf))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
     optimizer.step()
@@ -101,15 +101,16 @@ def _mixed_facts(column: str, world_size: int, tokens) -> dict:
         return {}
     seen = {}
     norm = model.blocks[0].norm1
-    norm.register_forward_hook(lambda m, args, out: seen.update(weight=m.weight.dtype, input=args[0].dtype, output=out.dtype))
-    _loss(module, tokens).backward()
+    norm.register_forward_hook(lambda m, args, out: seen.update(weight=m.weight.dtype, input=args[0].dtype,
+                                                                output=out.dtype))
+    comparison_loss(module, tokens).backward()
     return {"norms fp32": seen, "unsharded type": type(model.final_norm.weight).__name__,
             "unsharded grads averaged": _same_on_every_rank(model.final_norm.weight.grad)}
 
 
 def one_process_norm() -> float:
     model = comparison_model()
-    _loss(model, comparison_batches(1)[0]).backward()
+    comparison_loss(model, comparison_batches(1)[0]).backward()
     return float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))
 
 

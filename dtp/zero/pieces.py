@@ -200,7 +200,8 @@ def _locals(tree, shape):
         if torch.is_tensor(value) and value.dim() and value.shape == shape:
             return piece_of(value, dist.get_rank(), dist.get_world_size())
         if torch.is_tensor(value) and value.numel() > 1:
-            raise RuntimeError(f"a tensor of shape {tuple(value.shape)} cannot meet a ZeRO-3 sharded tensor of {tuple(shape)}")
+            raise RuntimeError(f"a tensor of shape {tuple(value.shape)} cannot meet a ZeRO-3 sharded tensor "
+                               f"of {tuple(shape)}")
         return value
     return tree_map(local, tree)
 

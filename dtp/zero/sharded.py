@@ -77,13 +77,12 @@ class _Unit:
     def __init__(self, owner: "ZeRO3", module: nn.Module, name: str, entries: list):
         self.owner, self.module, self.name = owner, module, name
         # entries: (qualified name, [(module, attribute, qualified name)] of every use, the Parameter, compute dtype)
-        self.names = [qualified for qualified, _, _, _ in entries]
         self.uses = [uses for _, uses, _, _ in entries]
         self.shapes = [p.shape for _, _, p, _ in entries]
         self.numels = [p.numel() for _, _, p, _ in entries]
         rank, n = dist.get_rank(), dist.get_world_size()
-        self.params = [nn.Parameter(PieceTensor(piece_of(p.detach().float(), rank, n), p.shape), requires_grad=p.requires_grad)
-                       for _, _, p, _ in entries]
+        self.params = [nn.Parameter(PieceTensor(piece_of(p.detach().float(), rank, n), p.shape),
+                                    requires_grad=p.requires_grad) for _, _, p, _ in entries]
         dtypes = [dtype or self.params[i].dtype for i, (_, _, _, dtype) in enumerate(entries)]
         self.groups = [(dtype, [i for i, d in enumerate(dtypes) if d == dtype]) for dtype in dict.fromkeys(dtypes)]
         self.full = None  # the gathered flat weights (one per group) while the unit runs forward
@@ -130,9 +129,10 @@ class _Unit:
 class ZeRO3(nn.Module):
     """ZeRO-3 around `model`: `units` are submodules sharded and gathered one at a time (for
     example each transformer block); the root is a unit for every parameter left; `replicated`
-    modules keep their parameters whole on every rank (fp32, as masters; their gradients are
-    averaged with one all-reduce at the end of backward). Step `wrapper.parameters()` (the same as
-    the model's) with any torch optimizer: its state is then sharded too.
+    modules keep their parameters whole on every rank, as given (they are their own masters: under
+    mixed precision they run in fp32, as `full_precision` modules), their gradients averaged with
+    one all-reduce at the end of backward, as DDP's. Step `wrapper.parameters()` (the model's
+    parameters) with any torch optimizer: its state is then sharded too.
 
     Between forward passes no full weight exists. Call the wrapper, not the inner model's units."""
 
@@ -340,7 +340,8 @@ class ZeRO3(nn.Module):
         with torch.no_grad():
             for name, p in params.items():
                 if model[name].shape != p.shape:
-                    raise ValueError(f"checkpoint's {name} has shape {tuple(model[name].shape)}, the model's {tuple(p.shape)}")
+                    raise ValueError(f"checkpoint's {name} has shape {tuple(model[name].shape)}, "
+                                     f"the model's {tuple(p.shape)}")
                 p.copy_(model[name].to(p.dtype))  # a PieceTensor keeps this rank's piece of it
         buffers = {k: v for k, v in model.items() if k in dict(self.module.named_buffers())}
         self.module.load_state_dict(buffers, strict=False)

@@ -218,13 +218,20 @@ def test_misuse_gets_one_line_errors():
     assert "full_tensor" in messages[4] and "some dimensions" in messages[5]
 
 
+ORDERS = (1, 2, 3, float("inf"), float("-inf"), 0)
+
+
+def reduction_input():
+    full = torch.randn(7, 5, generator=torch.Generator().manual_seed(3)) - 0.3  # 35 elements: padded on 2, 3, 4 ranks
+    full[0, 0] = 0.0  # one zero for the 0-norm to leave out
+    return full
+
+
 def _reductions_rank(rank, world_size):
     from dtp.zero.pieces import piece_of
-    torch.manual_seed(3)
-    full = torch.randn(7, 5) - 0.3  # 35 elements: padded on 2, 3 and 4 ranks; the padding must not count
-    full[0, 0] = 0.0
+    full = reduction_input()
     sharded = PieceTensor(piece_of(full, rank, world_size), full.shape)
-    got = {f"norm {order}": float(torch.linalg.vector_norm(sharded, order)) for order in (1, 2, 3, float("inf"), float("-inf"), 0)}
+    got = {f"norm {order}": float(torch.linalg.vector_norm(sharded, order)) for order in ORDERS}
     got.update(sum=float(sharded.sum()), mean=float(sharded.mean()), max=float(sharded.max()), min=float(sharded.min()),
                norm=float(sharded.norm()), doubled=sharded.mul(2).add_(full).full_tensor())
     return got
@@ -235,10 +242,8 @@ def test_piece_tensor_reductions_are_those_of_the_whole_tensor(world_size):
     """Norms of every order, sum, mean, max and min of a PieceTensor equal torch's on the whole
     tensor (the zero padding of the last pieces left out: min would be 0, the -inf norm 0, the
     0-norm would count it); elementwise arithmetic with a plain full tensor stays elementwise."""
-    torch.manual_seed(3)
-    full = torch.randn(7, 5) - 0.3
-    full[0, 0] = 0.0
-    expected = {f"norm {order}": float(torch.linalg.vector_norm(full, order)) for order in (1, 2, 3, float("inf"), float("-inf"), 0)}
+    full = reduction_input()
+    expected = {f"norm {order}": float(torch.linalg.vector_norm(full, order)) for order in ORDERS}
     expected.update(sum=float(full.sum()), mean=float(full.mean()), max=float(full.max()), min=float(full.min()),
                     norm=float(full.norm()))
     for got in run_world(_reductions_rank, world_size):

@@ -59,8 +59,8 @@ def rows(tokens, rank, world_size, micro=0, micro_batches=1):
 
 
 def parameter_groups(parameters_by_name):
-    """No weight decay on biases and LayerNorm weights, as GPT recipes do (by name: ZeRO-3's pieces
-    are flat, so their shapes cannot tell)."""
+    """No weight decay on biases and LayerNorm weights, as GPT recipes do, by name (by shape in
+    tests/zero/test_zero3_user_code.py: ZeRO-3's parameters keep their full shapes)."""
     parameters_by_name = list(parameters_by_name)
     no_decay = [p for name, p in parameters_by_name if "bias" in name or "norm" in name]
     decay = [p for name, p in parameters_by_name if not ("bias" in name or "norm" in name)]

@@ -68,6 +68,7 @@ PAGE_RESULTS = {
     "pipeline_parallel": (["9.86"], True),  # 7/71 for p = 8, m = 64, not 7/70
     "expert_parallel": (["46,702,792,704"], True),  # Mixtral's parameters, equal to torch's count
     "zero": (["120.0", "31.4", "16.6", "1.9"], True),  # the ZeRO paper's Figure 1 (7.5B, Nd = 64), in GB
+    "zero_practice": (["20,043", "13,416"], False),  # ring bytes per step: ZeroRedundancyOptimizer's, ZeRO-1's
     "overlap": (["16.8", "25.2", "33.6"], False),  # ZeRO-3's gathered MB at prefetch depth 0, 1, 2 (1, 2, 3 units)
     "context_parallel": (["49,152", "144"], False),  # ring bytes per rank at c = 4; zigzag's equal causal work
     "topology": (["8192", "1024"], True),  # the notes' layout multiplied out, and with EP inside DP

@@ -66,6 +66,7 @@ PAGE_RESULTS = {
     "tensor_parallel": (["2,048", "12,288"], False),  # a block's all-reduce, bsh·4 B, and 4·2(t-1)/t·S sent at t = 4
     "tensor_parallel_practice": (["67,108,864"], True),  # the source notes' all-reduce: 4096 tokens × 8192 × 2 bytes
     "pipeline_parallel": (["9.86"], True),  # 7/71 for p = 8, m = 64, not 7/70
+    "pipeline_parallel_practice": (["1.24", "34.6"], True),  # messages over compute, %; 1F1B's step, slow messages
     "expert_parallel": (["46,702,792,704"], True),  # Mixtral's parameters, equal to torch's count
     "zero": (["120.0", "31.4", "16.6", "1.9"], True),  # the ZeRO paper's Figure 1 (7.5B, Nd = 64), in GB
     "zero_practice": (["20,043", "13,416"], False),  # ring bytes per step: ZeroRedundancyOptimizer's, ZeRO-1's

@@ -68,6 +68,7 @@ PAGE_RESULTS = {
     "pipeline_parallel": (["9.86"], True),  # 7/71 for p = 8, m = 64, not 7/70
     "pipeline_parallel_practice": (["1.24", "34.6"], True),  # messages over compute, %; 1F1B's step, slow messages
     "expert_parallel": (["46,702,792,704"], True),  # Mixtral's parameters, equal to torch's count
+    "expert_parallel_practice": (["671"], False),  # DeepSeek-V3's total parameters, in billions
     "zero": (["120.0", "31.4", "16.6", "1.9"], True),  # the ZeRO paper's Figure 1 (7.5B, Nd = 64), in GB
     "zero_practice": (["20,043", "13,416"], False),  # ring bytes per step: ZeroRedundancyOptimizer's, ZeRO-1's
     "overlap": (["16.8", "25.2", "33.6"], False),  # ZeRO-3's gathered MB at prefetch depth 0, 1, 2 (1, 2, 3 units)

@@ -81,11 +81,31 @@ def cross_node_dispatch_bytes(indices, experts_per_node: int, source_node: int, 
                               bytes_per_element: int) -> int:
     """Bytes the tokens of `source_node` send to other nodes in one dispatch when each token
     crosses to each destination node once (and is copied to its experts there over the node's
-    own links, as DeepEP does): Σ_t |nodes(t) minus the source| · h · w. With node-limited routing
-    this is at most T·M·h·w, against up to T·k·h·w for one copy per expert."""
+    own links, as DeepEP does): Σ_t |nodes(t) minus the source| · h · w. It is at most
+    `max_cross_node_dispatch_bytes`: T·min(M, N-1)·h·w with node-limited routing, T·min(k, N-1)·h·w
+    without, against T·k·h·w for one copy per expert."""
     nodes = np.asarray(indices) // experts_per_node
     crossings = sum(len(set(row.tolist()) - {source_node}) for row in nodes)
     return int(crossings * hidden * bytes_per_element)
+
+
+def max_cross_node_copies(k: int, nodes: int, max_nodes: int | None = None) -> int:
+    """The most copies of one token a dispatch sends to other nodes when each token goes once to
+    each destination node: min(k, M, N - 1) for N nodes in the expert-parallel group. Its k
+    experts lie on at most k nodes (at most M with node-limited routing, None: no limit), and its
+    own node needs no copy. Some routing reaches it, so it is the bound, not k."""
+    limit = nodes if max_nodes is None else max_nodes
+    if k < 1 or nodes < 1 or not 1 <= limit <= nodes:
+        raise ValueError(f"need k >= 1, nodes >= 1 and 1 <= max_nodes <= nodes; got k={k}, nodes={nodes}, "
+                         f"max_nodes={max_nodes}")
+    return min(k, limit, nodes - 1)
+
+
+def max_cross_node_dispatch_bytes(tokens: int, k: int, nodes: int, hidden: int, bytes_per_element: int,
+                                  max_nodes: int | None = None) -> int:
+    """The most bytes a node's `tokens` send to other nodes in one dispatch (and the combine sends
+    back), one copy per destination node: T · min(k, M, N - 1) · h · w."""
+    return tokens * max_cross_node_copies(k, nodes, max_nodes) * hidden * bytes_per_element
 
 
 def node_limited_dispatch_copies(k: int, num_experts: int, nodes: int, gpus_per_node: int,

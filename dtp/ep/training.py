@@ -53,8 +53,9 @@ def train_on_text(config: MoEConfig, alpha: float, steps: int, measure_every: in
     """Train `MoETransformer(config)` (byte tokens) on `python_documentation_bytes` with AdamW,
     the load-balancing loss with `alpha` (0: none) and the router z-loss on every MoE layer; the
     routing statistics of a fixed held-out batch (the text's last batch·seq bytes) at step 0 and
-    every `measure_every` steps. `bias_rate` > 0 balances without a loss instead (DeepSeek-V3): after
-    every step each layer's choice bias moves by the rate towards the mean load (dtp.ep.routing)."""
+    every `measure_every` steps. `bias_rate` > 0 balances by DeepSeek-V3's bias rule instead of a
+    loss: after every step each layer's choice bias moves by the rate towards the mean load
+    (dtp.ep.routing)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: more threads only contend (and change the rounding)
     try:

@@ -1,5 +1,7 @@
 """The built book (make test builds it before running pytest): exercise notebooks published
 unexecuted and downloadable, solutions never published, measured figures and numbers present."""
+import ast
+import json
 import re
 
 import nbformat
@@ -66,8 +68,11 @@ PAGE_RESULTS = {
     "tensor_parallel": (["2,048", "12,288"], False),  # a block's all-reduce, bsh·4 B, and 4·2(t-1)/t·S sent at t = 4
     "tensor_parallel_practice": (["67,108,864"], True),  # the source notes' all-reduce: 4096 tokens × 8192 × 2 bytes
     "pipeline_parallel": (["9.86"], True),  # 7/71 for p = 8, m = 64, not 7/70
+    "pipeline_parallel_practice": (["1.24", "34.6"], True),  # messages over compute, %; 1F1B's step, slow messages
     "expert_parallel": (["46,702,792,704"], True),  # Mixtral's parameters, equal to torch's count
+    "expert_parallel_practice": (["671", "411.0", "234.9"], False),  # DeepSeek-V3's 671B; node 0's cross-node bounds
     "zero": (["120.0", "31.4", "16.6", "1.9"], True),  # the ZeRO paper's Figure 1 (7.5B, Nd = 64), in GB
+    "zero_practice": (["20,043", "13,416"], False),  # ring bytes per step: ZeroRedundancyOptimizer's, ZeRO-1's
     "overlap": (["16.8", "25.2", "33.6"], False),  # ZeRO-3's gathered MB at prefetch depth 0, 1, 2 (1, 2, 3 units)
     "context_parallel": (["49,152", "144"], False),  # ring bytes per rank at c = 4; zigzag's equal causal work
     "topology": (["8192", "1024"], True),  # the notes' layout multiplied out, and with EP inside DP
@@ -83,3 +88,26 @@ def test_chapter_pages_show_their_build_time_results(page):
         assert number in html, f"{page}: {number} missing"
     assert ("<img" in html) == has_figure
     assert "Traceback" not in html
+
+
+def _glued(page: str) -> dict:
+    """{name: text} of the values a page glued as it was built."""
+    glue = json.loads((REPO / "_build" / "jupyter_execute" / "book" / f"{page}.glue.json").read_text())
+    return {name: ast.literal_eval(entry["data"]["text/plain"]) for name, entry in glue.items()
+            if "text/plain" in entry["data"] and not entry["data"]["text/plain"].startswith("<")}
+
+
+def test_node_limited_routing_saves_what_the_tight_bounds_say():
+    """With one copy per destination node a token crosses at most min(k, N - 1) times, min(M, N - 1)
+    with the node limit: on 8 nodes with k = 8 and M = 4 the limit saves 7/4 = 1.75x of the bound,
+    not k/M = 2x (411.0 MB against 234.9 MB for node 0's 4096 tokens, not 469.8 MB)."""
+    from dtp.ep import routing
+
+    glued = _glued("expert_parallel_practice")
+    plain, limited = (routing.max_cross_node_dispatch_bytes(4096, 8, 8, 7168, 2, max_nodes=m) for m in (None, 4))
+    assert glued["node_bound_plain"] == f"{plain / 1e6:.1f}" == "411.0"
+    assert glued["node_bound_limited"] == f"{limited / 1e6:.1f}" == "234.9"
+    assert glued["node_limit_saving"] == "1.75" and glued["node_naive_saving"] == "2"
+    assert glued["node_other_nodes"] == 7
+    html = (HTML / "book" / "expert_parallel_practice.html").read_text()
+    assert "469.8" not in html and "411.0" in html

@@ -1,5 +1,6 @@
 """dtp.ep.routing against brute-force loops, and its bias balancing inside the book's model."""
 import numpy as np
+import pytest
 import torch
 
 from dtp.ep import moe, routing as moe_routing
@@ -96,3 +97,64 @@ def test_expert_capacity_uses_the_decimal_value_of_the_factor():
             for experts, k in ((8, 2), (6, 1), (64, 8)):
                 exact = Decimal(str(factor)) * tokens * k / experts
                 assert moe.expert_capacity(tokens, experts, k, factor) == int(exact.to_integral_value(rounding="ROUND_CEILING"))
+
+
+def _crossings(indices, experts_per_node, source_node):
+    """Per token: the other nodes its experts lie on (one copy each)."""
+    return [len(set((row // experts_per_node).tolist()) - {source_node}) for row in indices]
+
+
+def test_max_cross_node_copies_bounds_the_routers_and_is_reached():
+    """min(k, M, N - 1): never exceeded by node-limited or plain top-k routing on random draws, and
+    reached by some token in each, so no smaller bound holds (k alone overstates it once k >= N)."""
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        nodes, per_node = int(rng.integers(2, 7)), int(rng.integers(1, 5))
+        max_nodes = int(rng.integers(1, nodes + 1))
+        k = max_nodes * int(rng.integers(1, per_node + 1))
+        source = int(rng.integers(nodes))
+        logits = rng.standard_normal((2000, nodes * per_node)) * 2
+        routed = {max_nodes: moe_routing.node_limited_routing(logits, k, per_node, max_nodes, False)[0],
+                  None: moe.top_k_routing(logits, k, False)[0]}
+        for limit, indices in routed.items():
+            bound = moe_routing.max_cross_node_copies(k, nodes, limit)
+            crossings = _crossings(indices, per_node, source)
+            assert max(crossings) == bound, (nodes, per_node, k, limit, source)
+            assert moe_routing.cross_node_dispatch_bytes(indices, per_node, source, 8, 2) <= \
+                moe_routing.max_cross_node_dispatch_bytes(len(logits), k, nodes, 8, 2, limit)
+
+
+def test_max_cross_node_bytes_of_the_pages_example():
+    """DeepSeek-V3's k = 8 on 8 nodes: a token crosses at most 7 times, not 8, so limiting it to
+    M = 4 nodes saves 7/4 = 1.75x of the bound, not k/M = 2x."""
+    plain = moe_routing.max_cross_node_dispatch_bytes(4096, 8, 8, 7168, 2)
+    limited = moe_routing.max_cross_node_dispatch_bytes(4096, 8, 8, 7168, 2, max_nodes=4)
+    assert plain == 4096 * 7 * 7168 * 2 == 411_041_792 and limited == 4096 * 4 * 7168 * 2
+    assert plain / limited == 1.75
+
+
+def test_max_cross_node_copies_refuses_impossible_limits():
+    for k, nodes, max_nodes in ((0, 8, None), (8, 0, None), (8, 4, 5), (8, 4, 0)):
+        with pytest.raises(ValueError, match="max_nodes"):
+            moe_routing.max_cross_node_copies(k, nodes, max_nodes)
+
+
+def test_deepseek_v3_sequence_wise_balance_loss_is_the_switch_loss_on_one_sequence():
+    """The page's reading of DeepSeek-V3's equations 17 to 20: with f_i = N_r/(K_r·T)·(times i is
+    among a token's K_r top affinities) and P_i the mean of the affinities normalised per token,
+    α·Σ f_i·P_i is the course's Switch loss α·E·Σ f_i·P_i of one sequence, fed log-affinities as
+    logits (softmax(log s) = s / Σ s)."""
+    rng = np.random.default_rng(3)
+    for tokens, routed, per_token in ((64, 16, 4), (200, 8, 2), (33, 12, 3)):
+        affinities = 1 / (1 + np.exp(-rng.standard_normal((tokens, routed)) * 2))  # sigmoid scores
+        chosen = np.argsort(-affinities, axis=1, kind="stable")[:, :per_token]
+        counts = np.bincount(chosen.reshape(-1), minlength=routed)
+        f = routed / (per_token * tokens) * counts
+        normalised = affinities / affinities.sum(axis=1, keepdims=True)
+        alpha = 1e-4
+        deepseek = alpha * float(f @ normalised.mean(axis=0))
+        course, _ = moe.load_balancing_loss_and_gradient(np.log(affinities), chosen, alpha)
+        assert np.isclose(deepseek, course, rtol=1e-12, atol=0)
+    balanced = np.tile(np.eye(4), (2, 1)) + 1.0  # every expert chosen equally, equal mean affinity
+    f = 4 / (1 * 8) * np.bincount(np.argmax(balanced, axis=1), minlength=4)
+    assert np.isclose(alpha * f @ (balanced / balanced.sum(axis=1, keepdims=True)).mean(axis=0), alpha)

@@ -45,6 +45,7 @@ def readable_tex(tex: str) -> str:
     tex = re.sub(r"\\(?:text|mathrm|mathbf|operatorname|textrm|mathit)\{([^{}]*)\}", r"\1", tex)
     tex = re.sub(r"\\(left|right|big|Big|bigg|Bigg)\b", "", tex)
     tex = re.sub(r"\\[,;:! ]|~", " ", tex)
+    tex = re.sub(r"\\([_%#&$])", r"\1", tex)  # escaped characters: \_ is an underscore
     tex = re.sub(r"\\([A-Za-z]+)", lambda m: _TEX_SYMBOLS.get(m.group(1), m.group(1) if m.group(1) in _TEX_WORDS else ""), tex)
     tex = tex.replace("{", "").replace("}", "").replace("&", " ").replace("\\\\", " ")
     return re.sub(r"\s+", " ", tex).strip()
@@ -52,11 +53,14 @@ def readable_tex(tex: str) -> str:
 
 class _PageText(html.parser.HTMLParser):
     """The text a reader sees in a page body: no scripts, styles or permalink markers; formulas
-    through `readable_tex`."""
+    through `readable_tex`; a table row as "header: value, header: value;" (a table flattened into
+    a run of words reads as nonsense in a snippet); and where each section (an element with an id)
+    begins, so that a result that links to a section gets its snippet from that section."""
 
     _SKIPPED = {"script", "style"}
     _BLOCKS = {"p", "div", "li", "ul", "ol", "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6", "td", "th", "tr",
                "table", "section", "pre", "blockquote", "figure", "figcaption", "br", "hr"}
+    _ANCHOR = "\x01{}\x02"  # where a section begins, until `text()` turns the marks into offsets
 
     def __init__(self):
         super().__init__(convert_charrefs=True)
@@ -65,13 +69,30 @@ class _PageText(html.parser.HTMLParser):
         self._math_depth = 0  # inside a formula: its TeX is collected whole
         self._math: list[str] = []
         self._stack: list[tuple[str, bool, bool]] = []
+        self._tables: list[dict] = []  # the tables we are in: header cells, the row so far, the open cell
+
+    def _sink(self) -> list[str]:
+        table = self._tables[-1] if self._tables else None
+        return table["cell"] if table and table["cell"] is not None else self.parts
 
     def handle_starttag(self, tag, attrs):
+        attributes = dict(attrs)
         if tag in self._BLOCKS:
-            self.parts.append(" ")
+            self._sink().append(" ")
+        if attributes.get("id") and tag in ("section", "h1", "h2", "h3", "h4", "span", "div") and not self._tables:
+            self.parts.append(self._ANCHOR.format(attributes["id"]))
+        if tag == "table":
+            self._tables.append({"headers": [], "row": [], "cell": None, "head": False, "all_th": True})
+        elif self._tables and tag == "thead":
+            self._tables[-1]["head"] = True
+        elif self._tables and tag == "tr":
+            self._tables[-1]["all_th"] = True
+        elif self._tables and tag in ("td", "th"):
+            self._tables[-1]["cell"] = []
+            self._tables[-1]["all_th"] &= tag == "th"
         if tag in ("br", "img", "hr", "input", "meta", "link", "wbr"):
             return
-        classes = (dict(attrs).get("class") or "").split()
+        classes = (attributes.get("class") or "").split()
         skip = tag in self._SKIPPED or "headerlink" in classes
         math = "math" in classes and not self._math_depth
         self._stack.append((tag, skip, math))
@@ -79,32 +100,65 @@ class _PageText(html.parser.HTMLParser):
         self._math_depth += math
 
     def handle_endtag(self, tag):
-        if tag in self._BLOCKS:
-            self.parts.append(" ")
         while self._stack:
             opened, skip, math = self._stack.pop()
             self._skip_depth -= skip
             if math:
                 self._math_depth -= 1
-                self.parts.append(" " + readable_tex("".join(self._math)) + " ")
+                self._sink().append(" " + readable_tex("".join(self._math)) + " ")
                 self._math = []
             if opened == tag:
                 break
+        if tag in self._BLOCKS:
+            self._sink().append(" ")
+        if not self._tables:
+            return
+        table = self._tables[-1]
+        if tag in ("td", "th") and table["cell"] is not None:
+            table["row"].append(re.sub(r"\s+", " ", "".join(table["cell"])).strip())
+            table["cell"] = None
+        elif tag == "thead":
+            table["head"] = False
+        elif tag == "tr":
+            row, table["row"] = table["row"], []
+            if table["head"] or (table["all_th"] and not table["headers"]):
+                table["headers"] = row
+            elif len(row) == len(table["headers"]):
+                self.parts.append(" " + ", ".join(f"{h}: {v}" if h else v for h, v in zip(table["headers"], row)) + ";")
+            else:
+                self.parts.append(" " + ", ".join(row) + ";")
+        elif tag == "table":
+            self._tables.pop()
 
     def handle_data(self, data):
         if self._skip_depth:
             return
-        (self._math if self._math_depth else self.parts).append(data)
+        (self._math if self._math_depth else self._sink()).append(data)
+
+    def text_and_sections(self) -> tuple[str, dict[str, int]]:
+        """The text, and the offset in it where each section (by its id) begins."""
+        marked = re.sub(r"\s+", " ", "".join(self.parts)).strip()
+        text, sections, last = [], {}, 0
+        for match in re.finditer("\x01([^\x02]*)\x02 ?", marked):
+            text.append(marked[last:match.start()])
+            sections.setdefault(match.group(1), len("".join(text)))
+            last = match.end()
+        text.append(marked[last:])
+        return "".join(text).strip(), sections
 
     def text(self) -> str:
-        return re.sub(r"\s+", " ", "".join(self.parts)).strip()
+        return self.text_and_sections()[0]
 
 
 def page_text(body_html: str) -> str:
+    return page_text_and_sections(body_html)[0]
+
+
+def page_text_and_sections(body_html: str) -> tuple[str, dict[str, int]]:
     parser = _PageText()
     parser.feed(body_html)
     parser.close()
-    return parser.text()
+    return parser.text_and_sections()
 
 
 def _drop_thebe(app, pagename, templatename, context, doctree):
@@ -127,17 +181,18 @@ def _text_store(app) -> Path:
 
 def _remember_text(app, pagename, templatename, context, doctree):
     if doctree is not None and context.get("body"):
-        path = _text_store(app) / f"{pagename}.txt"
+        path = _text_store(app) / f"{pagename}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(page_text(context["body"]), encoding="utf-8")
+        text, sections = page_text_and_sections(context["body"])
+        path.write_text(json.dumps({"text": text, "sections": sections}, ensure_ascii=False), encoding="utf-8")
 
 
 def _write_search_text(app, exception):
     if exception is not None or app.builder.format != "html":
         return
     store = _text_store(app)
-    texts = {name: (store / f"{name}.txt").read_text(encoding="utf-8")
-             for name in sorted(app.env.found_docs) if (store / f"{name}.txt").exists()}
+    texts = {name: json.loads((store / f"{name}.json").read_text(encoding="utf-8"))
+             for name in sorted(app.env.found_docs) if (store / f"{name}.json").exists()}
     target = Path(app.outdir) / "_static" / SEARCH_TEXT_FILE
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text("window.COURSE_SEARCH_TEXT = " + json.dumps(texts, ensure_ascii=False) + ";\n", encoding="utf-8")

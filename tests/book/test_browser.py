@@ -116,6 +116,57 @@ def _check_page(visit: PageVisit, page_path: str) -> None:
         }).map(table => table.innerText.slice(0, 60));
     }""")
     assert too_wide == [], f"{page_path}: tables wider than the text column: {too_wide}"
+    _check_rendering(page, page_path, desktop=True)
+
+
+# A word (or number) of a table cell drawn over two lines: the cell was squeezed instead of the table
+# scrolling in its box. Each word's characters as one Range: a word broken in two has two boxes.
+_BROKEN_CELL_WORDS = """() => {
+    const broken = [];
+    for (const cell of document.querySelectorAll('main article td, main article th')) {
+        const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+        for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+            if (node.parentElement.closest('mjx-container')) continue;
+            for (const match of node.data.matchAll(/[^\\s\\-\\u2010-\\u2014/]+/g)) {  // a line may end at a hyphen or slash
+                const range = document.createRange();
+                range.setStart(node, match.index);
+                range.setEnd(node, match.index + match[0].length);
+                const lines = new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top)));
+                if (lines.size > 1) broken.push(match[0]);
+            }
+        }
+    }
+    return broken;
+}"""
+
+# Display equations wider than their box: at 1280 px none (long ones are broken over lines); on a
+# phone they may scroll, inside a box that shows it can (the shadow at its edge, course.css).
+_WIDE_EQUATIONS = """() => [...document.querySelectorAll('main mjx-container[display="true"]')]
+    .filter(box => box.scrollWidth > box.clientWidth + 1)
+    .map(box => ({tex: (box.querySelector('mjx-assistive-mml') || box).textContent.slice(0, 60),
+                  scrolls: ['auto', 'scroll'].includes(getComputedStyle(box).overflowX),
+                  cue: getComputedStyle(box).backgroundImage.includes('gradient')}))"""
+
+
+def _check_rendering(page, page_path: str, desktop: bool) -> None:
+    """What no reader should see: a table cell squeezed until its words break, Markdown table syntax
+    or TeX commands printed as text (in the page or inside a typeset formula), a formula in error,
+    and (at 1280 px) a display formula wider than the column."""
+    broken = page.evaluate(_BROKEN_CELL_WORDS)
+    assert broken == [], f"{page_path} at {'1280' if desktop else '390'} px: table cells break inside {broken[:5]}"
+    if desktop:
+        text = page.inner_text("main")
+        assert not re.search(r"\|\s*:?-{3,}:?\s*\|", text), f"{page_path} shows a Markdown table as text"
+        assert not re.search(r"\\(?:[A-Za-z]{2,}|_)", text), f"{page_path} shows a TeX command as text"
+        math = page.evaluate("[...document.querySelectorAll('main mjx-assistive-mml, main mjx-merror')]"
+                             ".map(node => node.tagName + ': ' + node.textContent)")
+        raw = [formula for formula in math if formula.startswith("MJX-MERROR") or re.search(r"\\[A-Za-z_]", formula)]
+        assert raw == [], f"{page_path}: formulas with raw TeX or errors: {raw[:3]}"
+        wide = page.evaluate(_WIDE_EQUATIONS)
+        assert wide == [], f"{page_path}: display formulas wider than the text column at 1280 px: {wide[:3]}"
+    else:
+        uncued = [box for box in page.evaluate(_WIDE_EQUATIONS) if not (box["scrolls"] and box["cue"])]
+        assert uncued == [], f"{page_path}: formulas cut off at 390 px without a scroll cue: {uncued[:3]}"
 
 
 def _internal_links(page) -> list[str]:
@@ -144,6 +195,7 @@ def _phone_overflow(visit: PageVisit, page_path: str) -> None:
     smallest = page.evaluate("""Math.min(...[...document.querySelectorAll('.course-pipeline-explorer svg text')]
                                 .map(t => t.getBoundingClientRect().height).filter(h => h > 0), 99)""")
     assert smallest >= 8, f"{page_path}: the pipeline explorer's text is {smallest:.1f} px high"
+    _check_rendering(page, page_path, desktop=False)
 
 
 @pytest.mark.parametrize("page_path", PAGES)
@@ -177,6 +229,33 @@ def test_page_from_a_static_server(browser, static_server, page_path):
         visit.close()
 
 
+def _search(visit: PageVisit) -> list[str]:
+    """The snippets of a search, once Sphinx has listed every result and each has its snippet."""
+    page = visit.page
+    # Sphinx lists the results one by one; judge them once the search has finished and every result
+    # has its snippet (a busy machine only makes this take longer).
+    page.wait_for_function("/finished/i.test(document.querySelector('#search-results .search-summary, "
+                           "#search-results p')?.textContent || '')", timeout=60000)
+    page.wait_for_function("[...document.querySelectorAll('ul.search > li')].every(li => li.querySelector('p.context'))",
+                           timeout=60000)
+    snippets = page.eval_on_selector_all("ul.search li p.context", "nodes => nodes.map(n => n.textContent)")
+    assert len(snippets) == page.locator("ul.search > li").count() > 0
+    return snippets
+
+
+def test_search_snippets_come_from_the_text_that_matched(browser):
+    """A result that links to a section gets its snippet from that section, from the window that
+    holds the most of the query: for "ZeRO-3 prefetch" every snippet shows "prefetch" (the first one
+    both words), never only the first "ZeRO-3" of the page."""
+    visit = PageVisit(browser, f"{HTML.as_uri()}/search.html?q=ZeRO-3+prefetch", "file://")
+    try:
+        snippets = [snippet.lower() for snippet in _search(visit)]
+        assert all("prefetch" in snippet for snippet in snippets), snippets
+        assert "zero-3" in snippets[0], snippets[0]
+    finally:
+        visit.close()
+
+
 @pytest.mark.parametrize("served", ["file", "http"])
 def test_search_shows_readable_snippets_offline(browser, static_server, served):
     """Search from file:// and over http: results with a snippet of the page's text around the term,
@@ -186,15 +265,8 @@ def test_search_shows_readable_snippets_offline(browser, static_server, served):
     visit = PageVisit(browser, f"{root}/search.html?q=all-reduce", "file://" if served == "file" else static_server)
     try:
         page = visit.page
-        # Sphinx lists the results one by one; judge them once the search has finished and every
-        # result has its snippet (a busy machine only makes this take longer).
-        page.wait_for_function("/finished/i.test(document.querySelector('#search-results .search-summary, "
-                               "#search-results p')?.textContent || '')", timeout=60000)
-        page.wait_for_function("[...document.querySelectorAll('ul.search > li')].every(li => li.querySelector('p.context'))",
-                               timeout=60000)
+        snippets = _search(visit)
         assert visit.outside_requests == [] and visit.console_errors == [], visit.console_errors[:3]
-        snippets = page.eval_on_selector_all("ul.search li p.context", "nodes => nodes.map(n => n.textContent)")
-        assert len(snippets) == page.locator("ul.search > li").count() > 0
         assert all("reduce" in snippet.lower() for snippet in snippets), snippets[:3]
         assert not [snippet for snippet in snippets if re.search(r"\\\(|\\\[|\$\$|\\frac|\.pdf", snippet)], snippets
         assert page.locator("ul.search li p.context span.highlighted").count() >= len(snippets)

@@ -1,16 +1,19 @@
 """`python -m grader class SUBMISSIONS --out RESULTS`: grade a whole class.
 
 SUBMISSIONS holds one folder per student (any notebooks inside, each recognised by its chapter) or
-one file per student named after them. Every notebook is graded by the grader's own
-`grade_notebook`, several at once (grader/classroom/workers.py); results are cached by content
-in RESULTS/cache/, so a rerun grades only what changed (or everything with `regrade`). Then:
+one file per student named after them. The assignment (`--chapters`, grader/classroom/assignment.py)
+says which chapters count; every notebook of them is graded by the grader's own `grade_notebook`,
+several at once (grader/classroom/workers.py); results are cached by content in RESULTS/cache/, so
+a rerun grades only what changed (or everything with `regrade`). Each file handed in gets one
+numbered progress line, whether graded, unchanged since the last run, or flagged. Then:
 
     RESULTS/gradebook.csv                one row per student (grader/classroom/gradebook.py)
-    RESULTS/summary.md, summary.html     per exercise, flags, identical submissions (summary.py)
+    RESULTS/summary.md, summary.html     per exercise: passes, common mistakes (mistakes.py), a chart
+                                         (chart.py); flags, identical submissions (summary.py)
     RESULTS/students/<name>.json|md|html each student's report, the JSON as `--json` writes it
 
-Nothing is ever written in SUBMISSIONS, and input that cannot be graded becomes a note on its
-student's row rather than an error."""
+Nothing is ever written in SUBMISSIONS, and input that cannot be graded (or a notebook of a chapter
+outside the assignment) becomes a note on its student's row rather than an error."""
 from __future__ import annotations
 
 import os
@@ -144,7 +147,8 @@ def grade_class(submissions: Path, out: Path, workers: int, only: list[str] | No
             except (UnusableInput, OSError) as exc:
                 item.unusable = _without_root(str(exc), submissions)
             handed_in.setdefault(student.name, []).append(item)
-    assignment = make_assignment(chapters, only, {i.chapter for items in handed_in.values() for i in items if i.chapter})
+    chapters_found = {item.chapter for items in handed_in.values() for item in items if item.chapter}
+    assignment = make_assignment(chapters, only, chapters_found)
     results = ClassResults(students, assignment, workers=workers)
     for name, items in handed_in.items():
         for item in items:

@@ -80,7 +80,8 @@ def check_only_within(chapters: list[str] | None, only: list[str] | None) -> Non
     if chapters and only:
         outside = sorted(exercise_id for exercise_id in set(only) if exercise_id.split(".", 1)[0] not in chapters)
         if outside:
-            raise UnusableInput(f"--only {', '.join(outside)}: not in the assignment's chapters ({', '.join(chapters)})")
+            raise UnusableInput(f"--only {', '.join(outside)}: not in the assignment's chapters "
+                                f"({', '.join(chapters)})")
 
 
 def make_assignment(chapters: list[str] | None, only: list[str] | None, handed_in: set[str]) -> Assignment:

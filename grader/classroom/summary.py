@@ -101,8 +101,8 @@ def assignment_blocks(results) -> list:
                      len(results.chapters_handed_in.get(chapter, ()))])
     return [("h2", "Assignment"),
             ("p", f"Assignment: {assignment.describe()}. Every total, here and in gradebook.csv, is out of these "
-                  f"{assignment.max_total} points; the exercises of a chapter a student handed in no gradable notebook of "
-                  "count 0 (written 'missing' in the gradebook, counted as 'not handed in' below)."),
+                  f"{assignment.max_total} points; the exercises of a chapter a student handed in no gradable "
+                  "notebook of count 0 (written 'missing' in the gradebook, counted as 'not handed in' below)."),
             ("table", ["chapter", "in the assignment", "exercises", "points", "students who handed it in"], rows)]
 
 

@@ -240,7 +240,8 @@ def test_summary_lists_each_exercises_most_common_mistakes_with_counts(graded_cl
         (2, "bus_bandwidth: that is the algorithm bandwidth S/t; bus bandwidth scales it by 2(n-1)/n")]
     # The slip quotes the drawn latency: Bob's and Gina's wordings differ, and count as one.
     [(count, mistake)] = by_exercise["dp.ring_time"]
-    assert count == 2 and re.fullmatch(r"ring_allreduce_time: the latency term 2\(n-1\)·alpha = \S+ s is missing", mistake)
+    assert count == 2
+    assert re.fullmatch(r"ring_allreduce_time: the latency term 2\(n-1\)·alpha = \S+ s is missing", mistake), mistake
     [(count, mistake)] = by_exercise["dp.interview"]
     assert count == 1 and mistake.startswith("error (for example: ") and "n_gpu" in mistake
     assert by_exercise["memory.model_states"] == [(1, "missing: not implemented")]

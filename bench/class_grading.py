@@ -5,8 +5,10 @@
 Generates a class of memory-chapter notebooks (the chapter's solution, a partly solved copy that
 forgets the position embeddings, and the untouched exercise notebook, in turn; one folder per
 student) in a temporary folder, then times, end to end and in notebooks per minute:
-- `python -m grader class SUBMISSIONS --out RESULTS --jobs N` on a fresh RESULTS;
-- the same command again, with nothing changed (every result comes from the cache);
+- `python -m grader class SUBMISSIONS --out RESULTS --chapters memory --jobs N` on a fresh RESULTS
+  (grading, then the gradebook and the summary with its chart);
+- the same command again, with nothing changed (every result comes from the cache: what remains
+  is reading the class, the gradebook and the summary);
 - one `python -m grader NOTEBOOK` per notebook, one after the other (what a shell loop does);
 - one `python -m grader NOTEBOOK...` call with every notebook (one process, one at a time).
 Timings on a shared machine are noisy; the ratios say more than the seconds.
@@ -65,8 +67,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dtp-class-bench-") as scratch:
         submissions, results = Path(scratch) / "submissions", Path(scratch) / "results"
         notebooks = generate_class(submissions, args.students)
-        seconds = {"class": timed([*grader, "class", str(submissions), "--out", str(results), "--jobs", str(args.jobs)])}
-        seconds["class, rerun unchanged"] = timed([*grader, "class", str(submissions), "--out", str(results)])
+        seconds = {"class": timed([*grader, "class", str(submissions), "--out", str(results), "--chapters", "memory",
+                                   "--jobs", str(args.jobs)])}
+        seconds["class, rerun unchanged"] = timed([*grader, "class", str(submissions), "--out", str(results),
+                                                   "--chapters", "memory"])
         seconds["one by one"] = sum(timed([*grader, str(path)]) for path in notebooks)
         seconds["one call, every notebook"] = timed([*grader, *map(str, notebooks)])
     figures = {"notebooks": len(notebooks), "jobs": args.jobs, "cpus": os.cpu_count(),

@@ -1,5 +1,6 @@
 """`python -m grader PATH... [--json FILE] [--only ID...] [--timeout SECONDS]`, and for a whole class
-`python -m grader class SUBMISSIONS --out RESULTS [--jobs N] [--only ID...] [--timeout SECONDS] [--regrade]`.
+`python -m grader class SUBMISSIONS --out RESULTS [--chapters LIST] [--jobs N] [--only ID...] [--timeout SECONDS]
+[--regrade]`.
 
 `class` as the first argument is the class command when `--out` follows or when no file or folder
 named `class` exists; otherwise it is a PATH as before (any invocation that worked before still
@@ -91,6 +92,9 @@ def _class_parser() -> argparse.ArgumentParser:
     parser.add_argument("submissions", metavar="SUBMISSIONS", help="the class's submissions (never written)")
     parser.add_argument("--out", required=True, metavar="RESULTS",
                         help="folder for gradebook.csv, summary.md/.html, students/ and the results cache")
+    parser.add_argument("--chapters", metavar="LIST", help=(
+        "the assignment, e.g. memory,dp or 01_memory,02_data_parallel: totals are out of its exercises, a chapter "
+        "not handed in is missing, a notebook of another chapter is flagged (default: every chapter handed in)"))
     parser.add_argument("--jobs", type=int, metavar="N", help="notebooks graded at once (default: the CPU count)")
     parser.add_argument("--only", nargs="+", metavar="ID", help="grade only these exercise ids")
     parser.add_argument("--timeout", type=float, metavar="SECONDS", help="time limit per exercise")
@@ -117,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _grade_class(args) -> int:
     from .classroom import default_workers, grade_class
+    from .classroom.assignment import check_only_within, parse_chapters
 
     _handle_interrupts()
     make_undumpable()
@@ -129,9 +134,11 @@ def _grade_class(args) -> int:
             unknown = sorted(exercise_id for exercise_id in set(args.only) if find_exercise(exercise_id) is None)
             if unknown:
                 raise UnusableInput(f"unknown exercise id(s): {', '.join(unknown)}")
+        chapters = None if args.chapters is None else parse_chapters(args.chapters)
+        check_only_within(chapters, args.only)
         out = Path(args.out)
         results = grade_class(Path(args.submissions), out, args.jobs or default_workers(), args.only, args.timeout,
-                              args.regrade)
+                              args.regrade, chapters=chapters)
         graded = sum(len(notebooks) for notebooks in results.graded.values())
         flagged = sum(bool(student.notes) for student in results.students)
         print(f"{len(results.students)} students, {graded} notebooks graded, {flagged} students flagged: "

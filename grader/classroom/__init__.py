@@ -1,16 +1,19 @@
 """`python -m grader class SUBMISSIONS --out RESULTS`: grade a whole class.
 
 SUBMISSIONS holds one folder per student (any notebooks inside, each recognised by its chapter) or
-one file per student named after them. Every notebook is graded by the grader's own
-`grade_notebook`, several at once (grader/classroom/workers.py); results are cached by content
-in RESULTS/cache/, so a rerun grades only what changed (or everything with `regrade`). Then:
+one file per student named after them. The assignment (`--chapters`, grader/classroom/assignment.py)
+says which chapters count; every notebook of them is graded by the grader's own `grade_notebook`,
+several at once (grader/classroom/workers.py); results are cached by content in RESULTS/cache/, so
+a rerun grades only what changed (or everything with `regrade`). Each file handed in gets one
+numbered progress line, whether graded, unchanged since the last run, or flagged. Then:
 
     RESULTS/gradebook.csv                one row per student (grader/classroom/gradebook.py)
-    RESULTS/summary.md, summary.html     per exercise, flags, identical submissions (summary.py)
+    RESULTS/summary.md, summary.html     per exercise: passes, common mistakes (mistakes.py), a chart
+                                         (chart.py); flags, identical submissions (summary.py)
     RESULTS/students/<name>.json|md|html each student's report, the JSON as `--json` writes it
 
-Nothing is ever written in SUBMISSIONS, and input that cannot be graded becomes a note on its
-student's row rather than an error."""
+Nothing is ever written in SUBMISSIONS, and input that cannot be graded (or a notebook of a chapter
+outside the assignment) becomes a note on its student's row rather than an error."""
 from __future__ import annotations
 
 import os
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..notebook import UnusableInput
+from .assignment import Assignment, make_assignment
 from .submissions import Student, content_hash, find_students, printable, relative
 from .workers import Job, ResultsCache, grade_in_parallel, options_key
 
@@ -35,10 +39,15 @@ class GradedNotebook:
         return all(e["status"] == "missing" for e in self.report["exercises"])
 
 
+NOT_HANDED_IN = "not handed in"  # an exercise of a chapter the student handed no gradable notebook of
+
+
 @dataclass
 class ClassResults:
     students: list[Student]
+    assignment: Assignment = field(default_factory=lambda: Assignment({}, "nothing graded"))
     graded: dict[str, list[GradedNotebook]] = field(default_factory=dict)  # student -> notebooks
+    chapters_handed_in: dict[str, set[str]] = field(default_factory=dict)  # chapter -> students, assigned or not
     unconfined: str | None = None
     workers: int = 1
     report_stems: dict[str, str] = field(default_factory=dict)  # student -> file name of their reports
@@ -53,6 +62,29 @@ class ClassResults:
                 best[chapter] = notebook
         return best
 
+    def outcomes(self, student: str) -> dict[str, dict]:
+        """exercise id -> {"status", "points", "feedback"} for every exercise of the assignment, from
+        the notebook that counts; status NOT_HANDED_IN where the student handed in no gradable
+        notebook of its chapter. The gradebook's cells and totals and the summary's counts and
+        scores all come from here, so they cannot disagree."""
+        counted, outcomes = self.counted(student), {}
+        for chapter, exercises in self.assignment.exercises.items():
+            notebook = counted.get(chapter)
+            graded = {e["id"]: e for e in notebook.report["exercises"]} if notebook else {}
+            for exercise_id, _ in exercises:
+                if notebook is None:
+                    outcomes[exercise_id] = {"status": NOT_HANDED_IN, "points": 0, "feedback": ""}
+                elif exercise_id not in graded:  # a cached result from before the exercise existed: --regrade
+                    outcomes[exercise_id] = {"status": "not graded", "points": 0, "feedback": "graded before this "
+                                             "exercise existed; run again with --regrade"}
+                else:
+                    e = graded[exercise_id]
+                    outcomes[exercise_id] = {"status": e["status"], "points": e["points"], "feedback": e["feedback"]}
+        return outcomes
+
+    def total(self, student: str) -> int:
+        return sum(outcome["points"] for outcome in self.outcomes(student).values())
+
 
 def default_workers() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
@@ -66,55 +98,95 @@ def check_folders(submissions: Path, out: Path) -> None:
         raise UnusableInput(f"--out {out} overlaps SUBMISSIONS {submissions}: nothing may be written among the submissions")
 
 
+@dataclass
+class _HandedIn:
+    """A notebook file of a student, as read before any grading: its chapter, or why it cannot be graded."""
+    relpath: str
+    path: Path
+    chapter: str | None = None
+    sha256: str = ""
+    unusable: str | None = None
+
+
+class _Progress:
+    """One numbered line per thing handed in: each notebook (graded, unchanged, or flagged) and each
+    other file or folder that was flagged, so that no student's submission goes unmentioned."""
+
+    def __init__(self, total: int, say):
+        self.done, self.total, self.say = 0, total, say
+
+    def line(self, text: str) -> None:
+        self.done += 1
+        self.say(f"[{self.done}/{self.total}] {text}", flush=True)
+
+    def graded(self, notebook: "GradedNotebook", how: str) -> None:
+        report = notebook.report
+        flag = "; flagged: every exercise is missing (an untouched exercise notebook?)" if notebook.untouched else ""
+        self.line(f"{notebook.relpath}: {report['score']}/{report['max_score']} {how}{flag}")
+
+
 def grade_class(submissions: Path, out: Path, workers: int, only: list[str] | None, timeout_s: float | None,
-                regrade: bool, say=print) -> ClassResults:
-    """Grade the class and write RESULTS; KeyboardInterrupt leaves the finished notebooks in the cache."""
+                regrade: bool, say=print, chapters: list[str] | None = None) -> ClassResults:
+    """Grade the class and write RESULTS; KeyboardInterrupt leaves the finished notebooks in the cache.
+    `chapters` is the assignment (`--chapters`, checked by `assignment.parse_chapters`); None takes
+    the chapters of the --only exercises, or else every chapter handed in."""
     from . import gradebook, summary
+    from ..notebook import read_course_notebook
 
     check_folders(submissions, out)
     students = find_students(submissions)
     if not students:
         raise UnusableInput(f"{submissions}: the folder holds no submission")
-    from ..notebook import read_course_notebook
+    handed_in: dict[str, list[_HandedIn]] = {}
+    for student in students:  # input that cannot be graded is found before any grading
+        for path in student.notebooks:
+            item = _HandedIn(relative(path, submissions), path)
+            try:
+                _, item.chapter = read_course_notebook(path)
+                item.sha256 = content_hash(path)
+            except (UnusableInput, OSError) as exc:
+                item.unusable = _without_root(str(exc), submissions)
+            handed_in.setdefault(student.name, []).append(item)
+    chapters_found = {item.chapter for items in handed_in.values() for item in items if item.chapter}
+    assignment = make_assignment(chapters, only, chapters_found)
+    results = ClassResults(students, assignment, workers=workers)
+    for name, items in handed_in.items():
+        for item in items:
+            if item.chapter:
+                results.chapters_handed_in.setdefault(item.chapter, set()).add(name)
+    progress = _Progress(sum(len(student.notes) + len(student.notebooks) for student in students), say)
+    say(f"assignment: {assignment.describe()}", flush=True)
 
     cache, options = ResultsCache(out / "cache"), options_key(only, timeout_s)
-    results = ClassResults(students, workers=workers)
     jobs, owner = [], {}
     for student in students:
-        for path in student.notebooks:
-            relpath = relative(path, submissions)
-            try:
-                _, chapter = read_course_notebook(path)  # input that cannot be graded is noted before any grading
-                sha256 = content_hash(path)
-            except (UnusableInput, OSError) as exc:
-                student.notes.append(_without_root(str(exc), submissions))
+        for note in list(student.notes):  # files that are not notebooks, links, folders without a notebook
+            progress.line(f"flagged: {note}")
+        for item in handed_in.get(student.name, []):
+            reason = item.unusable or _outside_the_assignment(item, assignment, chapters, only)
+            if reason:
+                student.notes.append(reason)
+                progress.line(f"flagged: {reason}")
                 continue
-            if only and not any(exercise_id.split(".", 1)[0] == chapter for exercise_id in only):
-                student.notes.append(f"{relpath}: not graded, --only names no exercise of its chapter, {chapter}")
-                continue
-            job = Job(relpath, path, sha256)
-            owner[relpath] = student
+            job = Job(item.relpath, item.path, item.sha256)
+            owner[job.relpath] = student
             entry = None if regrade else cache.get(job, options)
             if entry is None:
                 jobs.append(job)
             else:
-                _keep(results, student, entry, reused=True)
+                progress.graded(_keep(results, student, entry, reused=True), "unchanged since the last run")
     if jobs:
         _warm_up({job.path: None for job in jobs})
 
-    done = [0]
-
     def on_result(job: Job, entry: dict) -> None:
-        done[0] += 1
         student = owner[job.relpath]
         if "report" not in entry:
-            student.notes.append(f"{job.relpath}: {_without_root(entry.get('unusable') or entry['error'], submissions)}")
-            say(f"[{done[0]}/{len(jobs)}] {job.relpath}: not graded", flush=True)
+            reason = f"{job.relpath}: not graded: {_without_root(entry.get('unusable') or entry['error'], submissions)}"
+            student.notes.append(reason)
+            progress.line(f"flagged: {reason}")
             return
-        _keep(results, student, entry, reused=False)
-        report = entry["report"]
-        say(f"[{done[0]}/{len(jobs)}] {job.relpath}: {report['score']}/{report['max_score']} "
-            f"in {report['elapsed_s']:.1f}s", flush=True)
+        notebook = _keep(results, student, entry, reused=False)
+        progress.graded(notebook, f"in {notebook.report['elapsed_s']:.1f}s")
 
     if jobs:
         say(f"grading {len(jobs)} notebook(s) on {min(workers, len(jobs))} process(es); "
@@ -125,6 +197,17 @@ def grade_class(submissions: Path, out: Path, workers: int, only: list[str] | No
     gradebook.write_all(results, out)
     summary.write_all(results, out)
     return results
+
+
+def _outside_the_assignment(item: _HandedIn, assignment: Assignment, chapters: list[str] | None,
+                            only: list[str] | None) -> str | None:
+    """Why a notebook of a course chapter is not graded, or None when its chapter is assigned."""
+    if item.chapter in assignment.exercises:
+        return None
+    if only and (chapters is None or item.chapter in chapters):
+        return f"{item.relpath}: not graded, --only names no exercise of its chapter, {item.chapter}"
+    return (f"{item.relpath}: a notebook of chapter {item.chapter}, which is not in the assignment "
+            f"({', '.join(assignment.chapters) or 'no chapter'}): not graded")
 
 
 def _warm_up(paths) -> None:
@@ -148,11 +231,12 @@ def _warm_up(paths) -> None:
             continue
 
 
-def _keep(results: ClassResults, student: Student, entry: dict, reused: bool) -> None:
-    results.graded.setdefault(student.name, []).append(
-        GradedNotebook(entry["relpath"] if "relpath" in entry else entry["report"]["path"], entry["report"],
-                       entry.get("exercise_seconds", {}), entry.get("fingerprint", ""), reused))
+def _keep(results: ClassResults, student: Student, entry: dict, reused: bool) -> GradedNotebook:
+    notebook = GradedNotebook(entry["relpath"] if "relpath" in entry else entry["report"]["path"], entry["report"],
+                              entry.get("exercise_seconds", {}), entry.get("fingerprint", ""), reused)
+    results.graded.setdefault(student.name, []).append(notebook)
     results.unconfined = results.unconfined or entry.get("unconfined")
+    return notebook
 
 
 def _flag(results: ClassResults, student: Student) -> None:

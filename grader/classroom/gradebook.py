@@ -1,8 +1,11 @@
 """RESULTS/gradebook.csv (one row per student) and each student's JSON report.
 
-A cell of an exercise holds its points when it passed, and otherwise its status (`failed`,
-`error`, `timeout`, `missing`), which is worth 0: the points are all or nothing, and a
-spreadsheet's SUM skips words. A chapter the student handed no notebook of is left empty."""
+The columns are the assignment's exercises (grader/classroom/assignment.py), a total per chapter,
+the student's total and the assignment's maximum, the same for every row. A cell of an exercise
+holds its points when it passed, and otherwise its status (`failed`, `error`, `timeout`,
+`missing`), which is worth 0: the points are all or nothing, and a spreadsheet's SUM skips words.
+An exercise of a chapter the student handed in no gradable notebook of is `missing` too (the
+summary counts those apart, as "not handed in")."""
 from __future__ import annotations
 
 import csv
@@ -11,19 +14,8 @@ import json
 import re
 from pathlib import Path
 
-from ..registry import COURSE_CHAPTERS
+from . import NOT_HANDED_IN
 from .workers import write_atomically
-
-
-def chapters_and_exercises(results) -> dict[str, list[tuple[str, int]]]:
-    """chapter -> [(exercise id, max points)] over every graded notebook, in the course's order."""
-    found: dict[str, dict[str, int]] = {}
-    for notebooks in results.graded.values():
-        for notebook in notebooks:
-            exercises = found.setdefault(notebook.report["chapter"], {})
-            for exercise in notebook.report["exercises"]:
-                exercises.setdefault(exercise["id"], exercise["max_points"])
-    return {chapter: list(found[chapter].items()) for chapter in COURSE_CHAPTERS if chapter in found}
 
 
 def _cell(text) -> str:
@@ -33,29 +25,26 @@ def _cell(text) -> str:
     return f"'{text}" if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
 
 
+def gradebook_cell(outcome: dict):
+    if outcome["status"] == "passed":
+        return outcome["points"]
+    return "missing" if outcome["status"] == NOT_HANDED_IN else outcome["status"]
+
+
 def gradebook_rows(results) -> list[list]:
-    layout = chapters_and_exercises(results)
+    assignment = results.assignment
     header = ["student"]
-    for chapter, exercises in layout.items():
+    for chapter, exercises in assignment.exercises.items():
         header += [exercise_id for exercise_id, _ in exercises] + [f"{chapter} total"]
     header += ["total", "max total", "notes"]
-    max_total = sum(points for exercises in layout.values() for _, points in exercises)
     rows = [header]
     for student in results.students:
-        counted = results.counted(student.name)
-        row, total = [_cell(student.name)], 0
-        for chapter, exercises in layout.items():
-            notebook = counted.get(chapter)
-            if notebook is None:
-                row += [""] * (len(exercises) + 1)
-                continue
-            by_id = {e["id"]: e for e in notebook.report["exercises"]}
-            for exercise_id, _ in exercises:
-                graded = by_id.get(exercise_id)
-                row.append("" if graded is None else graded["points"] if graded["status"] == "passed" else graded["status"])
-            row.append(notebook.report["score"])
-            total += notebook.report["score"]
-        row += [total, max_total, _cell("; ".join(student.notes))]
+        outcomes = results.outcomes(student.name)
+        row = [_cell(student.name)]
+        for exercises in assignment.exercises.values():
+            row += [gradebook_cell(outcomes[exercise_id]) for exercise_id, _ in exercises]
+            row.append(sum(outcomes[exercise_id]["points"] for exercise_id, _ in exercises))
+        row += [results.total(student.name), assignment.max_total, _cell("; ".join(student.notes))]
         rows.append(row)
     return rows
 
@@ -71,9 +60,13 @@ def file_stem(name: str, taken: set[str]) -> str:
 
 
 def student_document(results, student) -> dict:
-    """The grader's `--json` document for the student's notebooks, plus who and the notes."""
+    """The grader's `--json` document for the student's notebooks, plus who, the notes, and their
+    total out of the assignment (as in the gradebook)."""
+    assignment = results.assignment
     document = {"student": student.name, "notebooks": [n.report for n in results.graded.get(student.name, [])],
-                "notes": student.notes}
+                "notes": student.notes,
+                "assignment": {"chapters": assignment.chapters, "how": assignment.source,
+                               "score": results.total(student.name), "max_score": assignment.max_total}}
     if results.unconfined:
         document["unconfined"] = results.unconfined
     return document

@@ -2,7 +2,9 @@
 
 Each page is built once as a list of blocks (headings, paragraphs, tables, lists) and rendered
 twice, to Markdown and to HTML, so that the two never say different things. Every piece of text
-is escaped for its format: feedback quotes the students' own exception messages."""
+is escaped for its format: feedback quotes the students' own exception messages, and names come
+from the students' file names. Every count and score comes from `ClassResults.outcomes`, as the
+gradebook's cells and totals do."""
 from __future__ import annotations
 
 import html
@@ -12,11 +14,14 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gradebook import chapters_and_exercises
+from ..registry import CHAPTER_MODULES
+from . import NOT_HANDED_IN
+from .chart import outcome_chart
+from .mistakes import MISTAKES_SHOWN, common_mistakes
 from .workers import write_atomically
 
-FEEDBACK_LINES_SHOWN, SLOWEST_SHOWN = 3, 10
-NOT_PASSED = ("failed", "error", "timeout", "missing")
+SLOWEST_SHOWN = 10
+NOT_PASSED = ("failed", "error", "timeout", "missing", NOT_HANDED_IN)
 
 
 @dataclass
@@ -25,8 +30,9 @@ class Link:
     href: str
 
 
-# Blocks: ("h1"|"h2"|"h3"|"p", text), ("ul", [items]), ("table", headers, rows); an item or cell
-# is text or a Link.
+# Blocks: ("h1"|"h2"|"h3"|"p", text), ("ul", [items]), ("table", headers, rows), ("chart", PNG as
+# base64, alt text, caption); an item or cell is text or a Link. Markdown gets a chart's caption
+# only: the table before it holds its numbers.
 def _markdown_text(value) -> str:
     if isinstance(value, Link):
         return f"[{_markdown_text(value.text)}]({value.href})"
@@ -48,6 +54,8 @@ def to_markdown(blocks) -> str:
             lines.append("|" + "---|" * len(block[1]))
             lines += ["| " + " | ".join(map(_markdown_text, row)) + " |" for row in block[2]]
             lines.append("")
+        elif kind == "chart":
+            lines += [_markdown_text(f"{block[3]} (drawn in summary.html)"), ""]
     return "\n".join(lines)
 
 
@@ -72,6 +80,9 @@ def to_html(blocks, title: str) -> str:
             parts.append("<table><tr>" + "".join(f"<th>{_html_text(h)}</th>" for h in block[1]) + "</tr>")
             parts += ["<tr>" + "".join(f"<td>{_html_text(c)}</td>" for c in row) + "</tr>" for row in block[2]]
             parts.append("</table>")
+        elif kind == "chart":
+            parts.append(f'<figure><img src="data:image/png;base64,{block[1]}" alt="{html.escape(block[2])}">'
+                         f"<figcaption>{html.escape(block[3])}</figcaption></figure>")
     return "\n".join(parts + ["</body></html>", ""])
 
 
@@ -80,41 +91,48 @@ def _write_pair(blocks, title: str, stem: Path) -> None:
     write_atomically(stem.parent / f"{stem.name}.html", to_html(blocks, title))
 
 
-def diagnosis_key(feedback: str) -> str:
-    """Feedback with its numbers blanked: inputs are drawn at random each run, so the same
-    mistake reads `bubble_fraction(8, 16) returned 0.4375` for one student and `(4, 6)` for another."""
-    return re.sub(r"\d+(\.\d+)?([eE][+-]?\d+)?", "#", feedback)
+def assignment_blocks(results) -> list:
+    assignment = results.assignment
+    rows = []
+    for chapter in (c for c in CHAPTER_MODULES if c in assignment.exercises or c in results.chapters_handed_in):
+        exercises = assignment.exercises.get(chapter, [])
+        rows.append([chapter, "yes" if exercises else "no: its notebooks are flagged, not graded",
+                     len(exercises), sum(points for _, points in exercises),
+                     len(results.chapters_handed_in.get(chapter, ()))])
+    return [("h2", "Assignment"),
+            ("p", f"Assignment: {assignment.describe()}. Every total, here and in gradebook.csv, is out of these "
+                  f"{assignment.max_total} points; the exercises of a chapter a student handed in no gradable "
+                  "notebook of count 0 (written 'missing' in the gradebook, counted as 'not handed in' below)."),
+            ("table", ["chapter", "in the assignment", "exercises", "points", "students who handed it in"], rows)]
 
 
-def exercise_blocks(results) -> list:
-    layout = chapters_and_exercises(results)
-    counted = [n for s in results.students for n in results.counted(s.name).values()]
-    rows, common = [], []
-    for chapter, exercises in layout.items():
-        for exercise_id, points in exercises:
-            graded = [e for n in counted for e in n.report["exercises"] if e["id"] == exercise_id]
-            statuses = Counter(e["status"] for e in graded)
-            share = f"{100 * statuses['passed'] / len(graded):.0f} %" if graded else ""
-            rows.append([exercise_id, points, len(graded), statuses["passed"], share,
-                         *(statuses[s] for s in NOT_PASSED)])
-            failures = [e["feedback"] for e in graded if e["status"] in ("failed", "error", "timeout")]
-            examples: dict[str, str] = {}
-            counts = Counter()
-            for feedback in failures:
-                key = diagnosis_key(feedback)
-                examples.setdefault(key, feedback)
-                counts[key] += 1
-            common += [[exercise_id, count, examples[key]] for key, count in counts.most_common(FEEDBACK_LINES_SHOWN)]
+def exercise_blocks(results, outcomes: dict[str, dict[str, dict]]) -> list:
+    """Per exercise: how many students passed, the outcomes as a chart, and the common mistakes."""
+    rows, counts, mistakes = [], [], []
+    for exercise_id, points in ((e, p) for exercises in results.assignment.exercises.values() for e, p in exercises):
+        of_exercise = [outcomes[student.name][exercise_id] for student in results.students]
+        statuses = Counter(outcome["status"] for outcome in of_exercise)
+        handed_in = len(of_exercise) - statuses[NOT_HANDED_IN]
+        share = f"{100 * statuses['passed'] / handed_in:.0f} %" if handed_in else ""
+        rows.append([exercise_id, points, handed_in, statuses["passed"], share, *(statuses[s] for s in NOT_PASSED)])
+        counts.append((exercise_id, {status: statuses[status] for status in ("passed", *NOT_PASSED)}))
+        mistakes += [[exercise_id, mistake.students, mistake.label] for mistake in common_mistakes(of_exercise)]
     blocks = [("h2", "Exercises"),
-              ("p", "One notebook per student and chapter counts (of two, the higher score). "
-                    "Handed in: students with a notebook of the exercise's chapter."),
-              ("table", ["exercise", "points", "handed in", "passed", "pass share", *NOT_PASSED], rows),
-              ("h2", "Most common failure feedback"),
-              ("p", f"Per exercise, up to {FEEDBACK_LINES_SHOWN} diagnoses (failed, error or timeout), "
-                    "counted alike when they differ only in numbers, with one student's line as the example.")]
-    blocks.append(("table", ["exercise", "students", "feedback (an example)"], common) if common
-                  else ("p", "No exercise failed."))
-    return blocks
+              ("p", "Per exercise of the assignment, over every student of the class. Handed in: students with a "
+                    "gradable notebook of its chapter (of two, the higher score counts); pass share: of those.")]
+    if not rows:
+        return blocks + [("p", "The assignment has no exercise.")]
+    png, alt = outcome_chart(counts)
+    return blocks + [
+        ("table", ["exercise", "points", "handed in", "passed", "pass share", *NOT_PASSED], rows),
+        ("chart", png, alt, "Students per exercise by outcome: the table above as stacked bars."),
+        ("h2", "Most common mistakes"),
+        ("p", f"Per exercise, the mistakes of the notebooks that count, most common first: up to {MISTAKES_SHOWN} "
+              "diagnoses of failed checks (counted alike when they differ only in the randomly drawn inputs; the "
+              "text is the first student's, without the arguments of calls), then error, timeout and missing, "
+              "each counted as one category."),
+        ("table", ["exercise", "students", "mistake"], mistakes) if mistakes else ("p", "No mistake: every exercise "
+                                                                                   "handed in passed.")]
 
 
 def slowest_blocks(results) -> list:
@@ -145,10 +163,11 @@ def identical_groups(results) -> list[list[tuple[str, str]]]:
 def summary_blocks(results) -> list:
     notebooks = [n for ns in results.graded.values() for n in ns]
     reused = sum(n.reused for n in notebooks)
+    outcomes = {student.name: results.outcomes(student.name) for student in results.students}
     blocks = [("h1", "Class results"),
               ("p", f"{len(results.students)} students, {len(notebooks)} notebooks graded "
                     f"({reused} unchanged since an earlier run, taken from its results). Grades: gradebook.csv."),
-              *exercise_blocks(results), *slowest_blocks(results),
+              *assignment_blocks(results), *exercise_blocks(results, outcomes), *slowest_blocks(results),
               ("h2", "Identical submissions"),
               ("p", "Notebooks whose graded definitions are the same after normalising whitespace and comments, "
                     "listed for a look; the grader judges nothing about them.")]
@@ -160,19 +179,31 @@ def summary_blocks(results) -> list:
                ("table", ["student", "note"], flagged) if flagged else ("p", "Nothing to flag.")]
     rows = []
     for student in results.students:
-        counted = results.counted(student.name).values()
         stem = results.report_stems[student.name]
-        rows.append([student.name, sum(n.report["score"] for n in counted), sum(n.report["max_score"] for n in counted),
+        rows.append([student.name, results.total(student.name), results.assignment.max_total,
+                     ", ".join(not_handed_in(results, outcomes[student.name])),
                      Link("Markdown", f"students/{stem}.md"), Link("HTML", f"students/{stem}.html"), len(student.notes)])
-    blocks += [("h2", "Students"), ("table", ["student", "score", "of", "report", "report", "notes"], rows)]
+    blocks += [("h2", "Students"),
+               ("p", "Scores as in gradebook.csv, out of the assignment's points."),
+               ("table", ["student", "score", "of", "chapters not handed in", "report", "report", "notes"], rows)]
     if results.unconfined:
         blocks.append(("p", f"Note: {results.unconfined}"))
     return blocks
 
 
+def not_handed_in(results, outcomes: dict[str, dict]) -> list[str]:
+    return [chapter for chapter, exercises in results.assignment.exercises.items()
+            if outcomes[exercises[0][0]]["status"] == NOT_HANDED_IN]
+
+
 def student_blocks(results, student) -> list:
     notebooks = results.graded.get(student.name, [])
-    blocks = [("h1", f"Grading report: {student.name}")]
+    assignment = results.assignment
+    missing = not_handed_in(results, results.outcomes(student.name))
+    blocks = [("h1", f"Grading report: {student.name}"),
+              ("p", f"Total: {results.total(student.name)} of {assignment.max_total} points. "
+                    f"Assignment: {assignment.describe()}."
+                    + (f" Not handed in: {', '.join(missing)} (0 points)." if missing else ""))]
     if student.notes:
         blocks += [("h2", "Notes"), ("ul", student.notes)]
     for notebook in notebooks:

@@ -2,9 +2,12 @@
 time with the grader's own `grade_notebook` (so each exercise still runs in its own sandbox, and
 each gloo world binds a free port of its own), and a results cache keyed by the notebook's content.
 
-Interruption: Ctrl-C reaches the class process and its workers (the sandboxes run in sessions of
-their own, and their wardens ignore it); a worker stops at once, its sandboxes' clean-up runs as
-its `grade_notebook` unwinds, and the class process ends every worker it started before it exits.
+Interruption: Ctrl-C reaches the class process and its workers, which leave it to the class
+process, as the sandboxes' wardens do (the sandboxes run in sessions of their own); the class
+process sends every worker it started one SIGTERM, on which the worker stops at once, its
+sandboxes' clean-up running as its `grade_notebook` unwinds, and waits for each before it exits.
+(A worker that took Ctrl-C too would get two signals at once; `raise_interrupt_once` ignores the
+second, and one already pending then makes Python print "Signal 15 ignored due to race condition".)
 A notebook's result reaches the cache only once the notebook is graded whole, written by its
 worker in one atomic rename, so an interrupted run keeps exactly the notebooks that had finished."""
 from __future__ import annotations
@@ -85,7 +88,7 @@ def _worker_main(jobs_fd: int, done_fd: int, foreign_fds: list[int], parent_pid:
                  run: str, only, timeout_s) -> None:
     die_with_parent(parent_pid, signal.SIGTERM)  # a class process killed outright still stops its workers
     signal.signal(signal.SIGTERM, raise_interrupt_once)  # unwinds through the sandboxes' clean-up
-    signal.signal(signal.SIGINT, raise_interrupt_once)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the class process's: it sends the SIGTERM
     let_interrupts_through()  # started with them held (start_worker)
     sys.dont_write_bytecode = True  # no __pycache__ beside a student's helper module
     for fd in foreign_fds:

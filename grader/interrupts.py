@@ -31,10 +31,16 @@ def let_interrupts_through() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, INTERRUPTS)
 
 
+def _ignore(signum, frame) -> None:
+    """Ignored, by a handler rather than SIG_IGN: a signal already pending when the handler changes to
+    SIG_IGN makes Python print "Signal 15 ignored due to race condition" to the terminal."""
+
+
 def raise_interrupt_once(signum, frame):
     """A handler: the first SIGINT or SIGTERM unwinds as KeyboardInterrupt; later ones (a second
     Ctrl-C, the class process's SIGTERM after the Ctrl-C its workers also got) are ignored, so they
     cannot cut the clean-up short or print a traceback from inside it."""
     for interrupt in INTERRUPTS:
-        signal.signal(interrupt, signal.SIG_IGN)
+        if signal.getsignal(interrupt) is not signal.SIG_IGN:  # one ignored from the start stays so
+            signal.signal(interrupt, _ignore)
     raise KeyboardInterrupt

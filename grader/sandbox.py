@@ -170,12 +170,15 @@ def memory_cap_bytes() -> int | None:
     return _memory_cap_bytes
 
 
-def _sandbox_main(task, writer, to_grader, scratch_dir: str, workdir: str | None, warden_pid: int,
+def _sandbox_main(task, writer, warden_ends, scratch_dir: str, workdir: str | None, warden_pid: int,
                   timeout_s: float, rules: list | None) -> None:
     global _child_deadline
     _child_deadline = time.monotonic() + timeout_s
     die_with_parent(warden_pid)
-    to_grader.close()  # only the warden speaks to the grader
+    to_grader, *stop_pipe = warden_ends
+    to_grader.close()  # only the warden speaks to the grader, and only the grader stops the warden
+    for fd in stop_pipe:
+        os.close(fd)
     os.setsid()  # a session of its own: no terminal to write fake lines to, and one group to kill
     _prctl(_PR_SET_DUMPABLE, 1)  # its own /proc entries stay usable by the libraries it runs
     _drop_privileges()
@@ -213,20 +216,16 @@ def _sandbox_main(task, writer, to_grader, scratch_dir: str, workdir: str | None
         os._exit(0)  # skip the parent's atexit handlers (a notebook kernel's, pytest's)
 
 
-class _Stop(Exception):
-    pass
-
-
-def _raise_stop(signum, frame):
-    raise _Stop
-
-
 def _warden_main(task, to_grader, scratch_dir, workdir, grader_pid, timeout_s, rules) -> None:
-    """Start the sandbox, wait for its result, its end or the time limit, kill everything below,
-    then report to the grader: a JSON header line, and the sandbox's bytes if it returned."""
+    """Start the sandbox, wait for its result, its end, the time limit or the grader's SIGTERM, kill
+    everything below, then report to the grader: a JSON header line, and the sandbox's bytes if it
+    returned. The SIGTERM handler only writes a byte to a pipe the wait watches: an exception raised
+    from a handler can land anywhere (inside the fork of the sandbox, a finaliser) and be lost there."""
     header, payload = {"kind": "timeout"}, b""
+    stop_reader, stop_writer = os.pipe()
+    os.set_blocking(stop_writer, False)
     try:
-        signal.signal(signal.SIGTERM, _raise_stop)  # the grader gives up (Ctrl-C, its own limit)
+        signal.signal(signal.SIGTERM, lambda signum, frame: os.write(stop_writer, b"!"))  # the grader gives up
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the grader's to handle
         let_interrupts_through()  # started with them held (run_isolated)
         die_with_parent(grader_pid, signal.SIGTERM)  # a killed grader still gets a clean-up
@@ -235,7 +234,8 @@ def _warden_main(task, to_grader, scratch_dir, workdir, grader_pid, timeout_s, r
         context = multiprocessing.get_context("fork")
         reader, writer = context.Pipe(duplex=False)
         sandbox = context.Process(target=_sandbox_main, daemon=False,
-                                  args=(task, writer, to_grader, scratch_dir, workdir, os.getpid(), timeout_s, rules))
+                                  args=(task, writer, (to_grader, stop_reader, stop_writer), scratch_dir, workdir,
+                                        os.getpid(), timeout_s, rules))
         sandbox.start()
         writer.close()
         deadline = time.monotonic() + timeout_s
@@ -243,7 +243,10 @@ def _warden_main(task, to_grader, scratch_dir, workdir, grader_pid, timeout_s, r
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            ready = multiprocessing.connection.wait([reader, sandbox.sentinel], timeout=left)
+            ready = multiprocessing.connection.wait([reader, sandbox.sentinel, stop_reader], timeout=left)
+            if stop_reader in ready:
+                header = {"kind": "stopped"}
+                break
             if reader in ready:
                 try:
                     payload = reader.recv_bytes(transport.MAX_BYTES)
@@ -258,10 +261,7 @@ def _warden_main(task, to_grader, scratch_dir, workdir, grader_pid, timeout_s, r
                 sandbox.join()
                 header = {"kind": "crashed", "exitcode": sandbox.exitcode}
                 break
-    except _Stop:
-        header = {"kind": "stopped"}
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         kill_descendants()
         shutil.rmtree(scratch_dir, ignore_errors=True)
         try:

@@ -50,6 +50,15 @@ def raise_world_failure(failure: dict | None) -> None:
                           f"with {failure['failed_world']} processes: {feedback}")
 
 
+def judge_worlds(worlds: list, outcomes: list, judge_world) -> None:
+    """In the judge: `judge_world(inputs of the world, its per-rank outcomes)` for each world that
+    completed, in order, then the failure of the one that did not, if any."""
+    done, failure = completed_worlds(outcomes)
+    for world, per_rank in zip(worlds, done):
+        judge_world(world, per_rank)
+    raise_world_failure(failure)
+
+
 def events_as_data(log, payloads: bool = False) -> list[dict]:
     """A CommunicationLog's events as plain data (payload tensors as arrays when asked for)."""
     keep = ("op", "bytes", "peer", "root", "of", "label", "group")

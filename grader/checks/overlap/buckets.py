@@ -11,7 +11,7 @@ from dtp.overlap.runs import bucket_overlap_rank, full_batch_gradients
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
-from ..common import completed_worlds, raise_world_failure, run_worlds
+from ..common import judge_worlds, run_worlds
 from .order import between_marks, unexpected_ops, wait_of
 
 FP32 = 4
@@ -106,9 +106,6 @@ class BucketOverlap(Check):
                                                  for n, sizes, seed, batch_seed, split in worlds])
 
     def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, sizes, seed, batch_seed, split), per_rank in zip(worlds, done):
-            BucketJudge(n, sizes, seed, batch_seed, split, per_rank).judge()
-        raise_world_failure(failure)
+        judge_worlds(worlds, outcomes, lambda world, per_rank: BucketJudge(*world, per_rank).judge())
         return ("gradients averaged on 2 and 3 ranks; each bucket all-reduced from a hook as soon as it was ready, "
                 "under the rest of backward, and waited on only after backward")

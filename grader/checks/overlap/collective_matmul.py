@@ -9,7 +9,7 @@ from dtp.overlap.runs import collective_matmul_oracle, collective_matmul_rank
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
-from ..common import completed_worlds, raise_world_failure, run_worlds
+from ..common import judge_worlds, run_worlds
 from .order import products_between, unexpected_ops, wait_of
 
 FP32 = 4
@@ -114,9 +114,6 @@ class CollectiveMatmul(Check):
                                                     for t, rows, hidden, columns, seed in worlds])
 
     def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (t, rows, hidden, columns, seed), per_rank in zip(worlds, done):
-            RingJudge(t, rows, hidden, columns, seed, per_rank).judge()
-        raise_world_failure(failure)
+        judge_worlds(worlds, outcomes, lambda world, per_rank: RingJudge(*world, per_rank).judge())
         return ("outputs equal the all-gather then GEMM for t = 2 and 4; t - 1 ring steps, each transfer issued before "
                 "the product of the piece already held and waited on after it")

@@ -18,10 +18,9 @@ from dtp.zero import runs as zero_runs
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
-from ..common import completed_worlds, raise_world_failure, run_worlds
+from ..common import judge_worlds, run_worlds
+from ..zero.judging import FSDP_REFERENCES
 from .order import between_marks, products_between, unexpected_ops, wait_of
-
-FSDP_REFERENCES = ("torch.distributed.fsdp.fully_shard", "torch.distributed.fsdp.FullyShardedDataParallel")
 
 
 def _parameters(sizes):
@@ -161,10 +160,7 @@ class Zero3Prefetch(Check):
                                                  for n, sizes, seed, batch_seed in worlds])
 
     def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, sizes, seed, batch_seed), per_rank in zip(worlds, done):
-            PrefetchJudge(n, sizes, seed, batch_seed, per_rank).judge()
-        raise_world_failure(failure)
+        judge_worlds(worlds, outcomes, lambda world, per_rank: PrefetchJudge(*world, per_rank).judge())
         return ("two Adam steps equal unsharded training on 2 and 3 ranks; every all-gather after the first ran under "
                 "a matrix product, in forward and in backward, waited on only when needed; at most two units gathered "
                 "at once")

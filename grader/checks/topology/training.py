@@ -12,7 +12,7 @@ from dtp.topology import mesh as topology
 
 from ...compare import CheckFailed, expect, expect_answer, expect_close
 from ...registry import Check, exercise
-from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+from ..common import events_as_data, judge_worlds, run_worlds
 from .layout import LAYOUT_REFERENCES
 
 TRAINING_REFERENCES = ("dtp.topology.training.train_3d_rank", "dtp.topology.training.ParallelMLP",
@@ -123,10 +123,7 @@ class DataTensorParallelTraining(Check):
         return run_worlds(_dp_tp_on_rank, [(dp * tp, (student.train_dp_tp, dp, tp, case)) for dp, tp, case in worlds])
 
     def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (dp, tp, case), per_rank in zip(worlds, done):
-            _judge_dp_tp(dp, tp, case, per_rank)
-        raise_world_failure(failure)
+        judge_worlds(worlds, outcomes, lambda world, per_rank: _judge_dp_tp(*world, per_rank))
         return (f"{STEPS} SGD steps on 2 × 2 and 2 × 3 (DP × TP) ranks equal single-process training; TP "
                 "all-reduces ran on consecutive ranks (g forward, f backward), gradient all-reduces on the DP groups")
 

@@ -16,7 +16,7 @@ from torch import nn
 from dtp.common.models import tiny_mlp
 from dtp.common.timeline import MatrixProducts, Timeline
 from dtp.zero.measure import FullTensorTracker, clear_gradients
-from dtp.zero.runs import ADAM, batches, rank_rows
+from dtp.zero.runs import ADAM, batches, gathered_units, marked_step, rank_rows
 
 KEEP = ("op", "bytes", "peer", "of", "label", "rows", "gathers")
 PREFETCH_STEPS = 2
@@ -41,20 +41,14 @@ def zero3_prefetch_rank(rank, world_size, make, sizes, seed, batch_seed, steps: 
     for inputs, targets in batches(sizes, batch_seed, world_size, steps):
         tracker = FullTensorTracker(unit_limit=GATHERED_UNITS_LIMIT)
         with Timeline() as log, tracker, log.matrix_products(tracker):
-            log.mark("forward")
-            tracker.phase = "forward"
-            loss = nn.functional.mse_loss(module(inputs[rank_rows(rank)]), targets[rank_rows(rank)])
-            log.mark("backward")
-            tracker.phase = "backward"
-            loss.backward()
-            log.mark("step")
-            tracker.phase = "step"
+            loss = marked_step(log, tracker, lambda: nn.functional.mse_loss(module(inputs[rank_rows(rank)]),
+                                                                            targets[rank_rows(rank)]))
         optimizer.step()
         clear_gradients([], optimizer=optimizer)
         outcome["losses"].append(float(loss.detach()))
         outcome["pieces"].append([p.detach().clone().numpy() for p in module.parameters()])
         outcome["events"].append(log.kept(KEEP))
-        outcome["gathered units"].append({phase: tracker.unit_peaks.get(phase, 0) for phase in ("forward", "backward")})
+        outcome["gathered units"].append(gathered_units(tracker))
     return outcome
 
 

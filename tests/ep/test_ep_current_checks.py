@@ -3,11 +3,7 @@ reject plausible wrong answers with feedback that names the mistake, and accept 
 written differently from the course's."""
 import pytest
 
-from conftest import grade
-
-
-def graded(tmp_notebook, exercise_id, replacements):
-    return grade(tmp_notebook("ep", replacements), exercise_id)[exercise_id]
+from conftest import assert_verdict, graded
 
 
 # --- exercise 7: auxiliary-loss-free balancing ---
@@ -47,11 +43,7 @@ def bias_cell(**changes) -> str:
         "mean-counted-as-underloaded", "step-only"])
 def test_bias_balancing(tmp_notebook, changes, feedback):
     result = graded(tmp_notebook, "ep.bias_balancing", {"biased_router": bias_cell(**changes)})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert result.status == "failed" and result.points == 0, result
-        assert feedback in result.feedback, result
+    assert_verdict(result, feedback)
 
 
 BIAS_IN_TORCH = '''
@@ -113,11 +105,7 @@ SHARED_RIGHT = dict(TOTAL="(routed + shared) * 3 * hidden * expert_hidden + hidd
 def test_shared_experts(tmp_notebook, changes, feedback):
     result = graded(tmp_notebook, "ep.shared_experts",
                     {"moe_total_parameters": SHARED_TEMPLATE.format(**{**SHARED_RIGHT, **changes})})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert result.status == "failed" and result.points == 0, result
-        assert feedback in result.feedback, result
+    assert_verdict(result, feedback)
 
 
 def test_shared_experts_refuses_numbers_copied_from_the_page(tmp_notebook):
@@ -202,11 +190,7 @@ def max_cross_node_bytes(tokens, k, max_nodes, hidden, bytes_per_element):
 def test_node_limited(tmp_notebook, changes, feedback):
     result = graded(tmp_notebook, "ep.node_limited",
                     {"node_limited_router": NODE_TEMPLATE.format(**{**NODE_RIGHT, **changes})})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert result.status == "failed" and result.points == 0, result
-        assert feedback in result.feedback, result
+    assert_verdict(result, feedback)
 
 
 def test_node_limit_after_top_k_is_named(tmp_notebook):
@@ -253,11 +237,7 @@ TP_EP_RIGHT = dict(TOKENS="x_sequence.chunk(tp)[tp_rank]",
 ], ids=["list-all-to-all-is-right", "whole-sequence-from-every-tp-rank", "formula-without-sp"])
 def test_tp_ep(tmp_notebook, changes, feedback):
     result = graded(tmp_notebook, "ep.tp_ep", {"tp_ep_moe": TP_EP_TEMPLATE.format(**{**TP_EP_RIGHT, **changes})})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert result.status == "failed" and result.points == 0, result
-        assert feedback in result.feedback, result
+    assert_verdict(result, feedback)
 
 
 def test_every_bias_update_draw_separates_the_sign_from_the_size_of_the_error():

@@ -6,6 +6,12 @@ import pytest
 from conftest import assert_verdict, graded
 
 
+def variants(exercise_id: str, cases: list, ids: list) -> list:
+    """Parameters of test_template_variant: the exercise, and each case's (changes, feedback)."""
+    return [pytest.param(exercise_id, changes, feedback, id=f"{exercise_id}-{name}")
+            for (changes, feedback), name in zip(cases, ids, strict=True)]
+
+
 # --- exercise 7: auxiliary-loss-free balancing ---
 
 BIAS_TEMPLATE = '''
@@ -26,11 +32,7 @@ def update_bias(bias, expert_indices, rate):
 BIAS_RIGHT = dict(CHOICE="probabilities + bias", GATES="probabilities", UPDATE="bias + rate * np.sign(loads.mean() - loads)")
 
 
-def bias_cell(**changes) -> str:
-    return BIAS_TEMPLATE.format(**{**BIAS_RIGHT, **changes})
-
-
-@pytest.mark.parametrize("changes, feedback", [
+BIAS_VARIANTS = variants("ep.bias_balancing", [
     (dict(), None),
     (dict(CHOICE="probabilities"), "the bias is ignored"),
     (dict(CHOICE="logits + bias"), "added to the logits"),
@@ -41,9 +43,6 @@ def bias_cell(**changes) -> str:
     (dict(UPDATE="rate * np.sign(loads.mean() - loads)"), "add it to the current bias"),
 ], ids=["template-is-right", "bias-ignored", "bias-on-logits", "bias-in-gates", "error-size-step", "reversed-sign",
         "mean-counted-as-underloaded", "step-only"])
-def test_bias_balancing(tmp_notebook, changes, feedback):
-    result = graded(tmp_notebook, "ep.bias_balancing", {"biased_router": bias_cell(**changes)})
-    assert_verdict(result, feedback)
 
 
 BIAS_IN_TORCH = '''
@@ -93,7 +92,7 @@ SHARED_RIGHT = dict(TOTAL="(routed + shared) * 3 * hidden * expert_hidden + hidd
                     FLOPS="2 * moe_active_parameters(hidden, expert_hidden, routed, shared, k)")
 
 
-@pytest.mark.parametrize("changes, feedback", [
+SHARED_VARIANTS = variants("ep.shared_experts", [
     (dict(), None),
     (dict(TOTAL="(routed + shared) * (3 * hidden * expert_hidden + hidden)"), "the router scores only the routed"),
     (dict(ACTIVE="k * 3 * hidden * expert_hidden + hidden * routed"), "every shared expert besides its k routed"),
@@ -102,10 +101,6 @@ SHARED_RIGHT = dict(TOTAL="(routed + shared) * 3 * hidden * expert_hidden + hidd
     (dict(FLOPS="2 * moe_total_parameters(hidden, expert_hidden, routed, shared, k)"), "counts every expert's FLOPs"),
 ], ids=["template-is-right", "shared-in-router", "shared-left-out-of-active", "two-matrices", "flops-not-doubled",
         "flops-of-all-experts"])
-def test_shared_experts(tmp_notebook, changes, feedback):
-    result = graded(tmp_notebook, "ep.shared_experts",
-                    {"moe_total_parameters": SHARED_TEMPLATE.format(**{**SHARED_RIGHT, **changes})})
-    assert_verdict(result, feedback)
 
 
 def test_shared_experts_refuses_numbers_copied_from_the_page(tmp_notebook):
@@ -177,7 +172,7 @@ def max_cross_node_bytes(tokens, k, max_nodes, hidden, bytes_per_element):
 '''
 
 
-@pytest.mark.parametrize("changes, feedback", [
+NODE_VARIANTS = variants("ep.node_limited", [
     (dict(), None),
     (dict(MASKED="probabilities"), "the node limit is ignored"),
     (dict(NODE_SCORE="by_node[:, :, -1]"), "scored by their single best expert"),
@@ -187,10 +182,6 @@ def max_cross_node_bytes(tokens, k, max_nodes, hidden, bytes_per_element):
     (dict(BOUND="k"), "the bound without the limit"),
 ], ids=["template-is-right", "limit-ignored", "node-by-best-expert", "copy-per-expert", "own-node-counted",
         "bound-per-expert"])
-def test_node_limited(tmp_notebook, changes, feedback):
-    result = graded(tmp_notebook, "ep.node_limited",
-                    {"node_limited_router": NODE_TEMPLATE.format(**{**NODE_RIGHT, **changes})})
-    assert_verdict(result, feedback)
 
 
 def test_node_limit_after_top_k_is_named(tmp_notebook):
@@ -230,14 +221,28 @@ TP_EP_RIGHT = dict(TOKENS="x_sequence.chunk(tp)[tp_rank]",
                    FORMULA_TOKENS="seq_tokens // tp if sequence_parallel else seq_tokens")
 
 
-@pytest.mark.parametrize("changes, feedback", [
+
+TP_EP_VARIANTS = variants("ep.tp_ep", [
     (dict(), None),  # the list form of all_to_all: a correct alternative
     (dict(TOKENS="x_sequence"), "every TP rank dispatched the whole sequence"),
     (dict(FORMULA_TOKENS="seq_tokens"), "only its s/t tokens, so its capacity"),
 ], ids=["list-all-to-all-is-right", "whole-sequence-from-every-tp-rank", "formula-without-sp"])
-def test_tp_ep(tmp_notebook, changes, feedback):
-    result = graded(tmp_notebook, "ep.tp_ep", {"tp_ep_moe": TP_EP_TEMPLATE.format(**{**TP_EP_RIGHT, **changes})})
-    assert_verdict(result, feedback)
+
+
+# --- every exercise's template, with the changes above ---
+
+# exercise -> (the name its cell defines, the cell's template, the right code for each open place)
+TEMPLATES = {"ep.bias_balancing": ("biased_router", BIAS_TEMPLATE, BIAS_RIGHT),
+             "ep.shared_experts": ("moe_total_parameters", SHARED_TEMPLATE, SHARED_RIGHT),
+             "ep.node_limited": ("node_limited_router", NODE_TEMPLATE, NODE_RIGHT),
+             "ep.tp_ep": ("tp_ep_moe", TP_EP_TEMPLATE, TP_EP_RIGHT)}
+
+
+@pytest.mark.parametrize("exercise_id, changes, feedback", BIAS_VARIANTS + SHARED_VARIANTS + NODE_VARIANTS + TP_EP_VARIANTS)
+def test_template_variant(tmp_notebook, exercise_id, changes, feedback):
+    """The template as it is passes (changes {}); each change fails with the feedback that names it."""
+    name, template, right = TEMPLATES[exercise_id]
+    assert_verdict(graded(tmp_notebook, exercise_id, {name: template.format(**{**right, **changes})}), feedback)
 
 
 def test_every_bias_update_draw_separates_the_sign_from_the_size_of_the_error():

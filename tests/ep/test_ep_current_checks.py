@@ -140,38 +140,6 @@ NODE_RIGHT = dict(NODE_SCORE="by_node[:, :, -(k // max_nodes):].sum(axis=2)",
                   MASKED="np.where(np.repeat(kept, experts_per_node, axis=1), probabilities, -np.inf)",
                   CROSSING="sum(len(set((row // experts_per_node).tolist()) - {source_node}) for row in expert_indices)",
                   BOUND="max_nodes")
-# the slip the issue names: the top-k over all experts first, then its best M nodes, then k from those
-AFTER_TOP_K = '''
-def node_limited_router(logits, k, experts_per_node, max_nodes, renormalize):
-    probabilities = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probabilities = probabilities / probabilities.sum(axis=1, keepdims=True)
-    tokens, experts = probabilities.shape
-    chosen = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]
-    node_scores = np.zeros((tokens, experts // experts_per_node))
-    for t in range(tokens):
-        for e in chosen[t]:
-            node_scores[t, e // experts_per_node] += probabilities[t, e]
-    kept_nodes = np.argsort(-node_scores, axis=1, kind="stable")[:, :max_nodes]
-    masked = np.full_like(probabilities, -np.inf)
-    for t in range(tokens):
-        for n in kept_nodes[t]:
-            masked[t, n * experts_per_node:(n + 1) * experts_per_node] = probabilities[t, n * experts_per_node:(n + 1) * experts_per_node]
-    expert_indices = np.argsort(-masked, axis=1, kind="stable")[:, :k]
-    gate_weights = np.take_along_axis(probabilities, expert_indices, axis=1)
-    if renormalize:
-        gate_weights = gate_weights / gate_weights.sum(axis=1, keepdims=True)
-    return expert_indices, gate_weights
-
-
-def cross_node_bytes(expert_indices, experts_per_node, source_node, hidden, bytes_per_element):
-    return sum(len(set((row // experts_per_node).tolist()) - {source_node}) for row in expert_indices) * hidden * bytes_per_element
-
-
-def max_cross_node_bytes(tokens, k, max_nodes, hidden, bytes_per_element):
-    return tokens * max_nodes * hidden * bytes_per_element
-'''
-
-
 NODE_VARIANTS = variants("ep.node_limited", [
     (dict(), None),
     (dict(MASKED="probabilities"), "the node limit is ignored"),
@@ -180,13 +148,15 @@ NODE_VARIANTS = variants("ep.node_limited", [
     (dict(CROSSING="sum(len(set((row // experts_per_node).tolist())) for row in expert_indices)"),
      "own node is reached without crossing"),
     (dict(BOUND="k"), "the bound without the limit"),
+    # the slip the issue names: the top-k over all experts first, its best M nodes (each scored by its
+    # experts among the k), then k experts from those nodes
+    (dict(NODE_SCORE="np.where(np.argsort(np.argsort(-probabilities, axis=1, kind='stable'), axis=1) < k, "
+                     "probabilities, 0.0).reshape(tokens, -1, experts_per_node).sum(axis=2)"),
+     "the limit is applied after the top-k"),
 ], ids=["template-is-right", "limit-ignored", "node-by-best-expert", "copy-per-expert", "own-node-counted",
-        "bound-per-expert"])
+        "bound-per-expert", "limit-after-top-k"])
 
 
-def test_node_limit_after_top_k_is_named(tmp_notebook):
-    result = graded(tmp_notebook, "ep.node_limited", {"node_limited_router": AFTER_TOP_K})
-    assert result.status == "failed" and "the limit is applied after the top-k" in result.feedback, result
 
 
 # --- exercise 10: EP beside TP with sequence parallelism (a gloo world of 4) ---

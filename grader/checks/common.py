@@ -140,6 +140,7 @@ class FormulaCheck(Check):
 
     function: str = ""
     rel: float = 1e-9
+    timeout_s = 15  # calls of a function of numbers
     summary: str = ""  # the pass line: what was verified, in the exercise's own terms
 
     @property

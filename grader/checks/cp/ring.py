@@ -9,7 +9,7 @@ from dtp.cp.context_parallel import ring_backward_bytes_per_layer
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
-from ..common import completed_worlds, raise_world_failure, run_worlds
+from ..common import judge_worlds, run_worlds
 from .harness import attention, backward_rank, contiguous, forward_rank, full_tensors, zigzag
 from .ring_pattern import (
     RingBlocks,
@@ -81,29 +81,30 @@ class RingForward(Check):
                                          for c, heads, seq, d, causal, seed in worlds])
 
     def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (c, heads, seq, d, causal, seed), per_rank in zip(worlds, done):
-            where = f"with c = {c} ranks{' (causal)' if causal else ''}"
-            blocks = RingBlocks(c, heads, seq, d, seed)
-            for rank, outcome in enumerate(per_rank):
-                check_ring_pattern(blocks, rank, outcome["events"], where)
-                check_score_products(blocks, rank, outcome["events"], where)
-                check_not_all_held(blocks, rank, outcome["events"], outcome["held"], where,
-                                   lambda source: causal and source > rank)
-                check_blocks_not_kept(blocks, rank, outcome["events"], where)
-            wanted = oracle(seed, heads, seq, d, causal)
-            slip = blockwise_causal_slip(seed, heads, seq, d, c) if causal else None
-            for rank, outcome in enumerate(per_rank):
-                rows = contiguous(seq, c)[rank]
-                slips = [] if slip is None else [(
-                    "is attention with the causal mask applied only inside the rank's own block: queries also saw "
-                    "the keys of later ranks' blocks. Skip (or mask) a block whose tokens all come after the "
-                    "rank's", slip[:, rows])]
-                judge_output(outcome["result"], wanted[:, rows], f"{where}: rank {rank}'s output", slips)
-        raise_world_failure(failure)
+        judge_worlds(worlds, outcomes, self.judge_world)
         return ("outputs equal single-process attention for c = 2 and 4 (causal); K and V blocks passed on to one "
                 "neighbour in c - 1 steps, scores computed block by block as the blocks arrived, no buffer for all of K and V "
                 "and no used block kept")
+
+    def judge_world(self, world, per_rank) -> None:
+        c, heads, seq, d, causal, seed = world
+        where = f"with c = {c} ranks{' (causal)' if causal else ''}"
+        blocks = RingBlocks(c, heads, seq, d, seed)
+        for rank, outcome in enumerate(per_rank):
+            check_ring_pattern(blocks, rank, outcome["events"], where)
+            check_score_products(blocks, rank, outcome["events"], where)
+            check_not_all_held(blocks, rank, outcome["events"], outcome["held"], where,
+                               lambda source: causal and source > rank)
+            check_blocks_not_kept(blocks, rank, outcome["events"], where)
+        wanted = oracle(seed, heads, seq, d, causal)
+        slip = blockwise_causal_slip(seed, heads, seq, d, c) if causal else None
+        for rank, outcome in enumerate(per_rank):
+            rows = contiguous(seq, c)[rank]
+            slips = [] if slip is None else [(
+                "is attention with the causal mask applied only inside the rank's own block: queries also saw "
+                "the keys of later ranks' blocks. Skip (or mask) a block whose tokens all come after the "
+                "rank's", slip[:, rows])]
+            judge_output(outcome["result"], wanted[:, rows], f"{where}: rank {rank}'s output", slips)
 
 
 @exercise("cp.ring_backward", points=3)
@@ -130,37 +131,38 @@ class RingBackward(Check):
                                           for c, heads, seq, d, causal, seed in worlds])
 
     def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (c, heads, seq, d, causal, seed), per_rank in zip(worlds, done):
-            where = f"with c = {c} ranks{' (causal)' if causal else ''}"
-            for rank, outcome in enumerate(per_rank):
-                events = outcome["events"]
-                other = unexpected_ops(events, {"send", "recv"})
-                expect(not other, f"{where}: rank {rank} called {', '.join(other)}; the backward passes K/V and their "
-                                  "gradients around the ring with send/recv")
-                peers = {e.get("peer") for e in events if e["op"] in ("send", "recv")}
-                expect(peers <= {(rank + 1) % c, (rank - 1) % c},
-                       f"{where}: rank {rank} exchanged messages with ranks {sorted(peers)}; in a ring each rank "
-                       "talks only to its two neighbours (dK/dV reach their owner by going on around the ring)")
-                sent = sum(e["bytes"] for e in events if e["op"] == "send")
-                wanted = ring_backward_bytes_per_layer(seq, heads * d, c, FP32)
-                expect(sent == wanted,
-                       f"{where}: rank {rank} sent {sent} bytes; the ring backward sends its K and V on in c - 1 = "
-                       f"{c - 1} steps and each block's dK/dV accumulator on in c = {c} steps (the last one brings "
-                       f"it home): {int(wanted)} bytes of fp32")
-            q, k, v, dout = (x.double().requires_grad_() for x in full_tensors(seed, heads, seq, d, count=4))
-            attention(q, k, v, causal)[0].backward(dout.detach())
-            for rank, outcome in enumerate(per_rank):
-                rows = contiguous(seq, c)[rank]
-                result = outcome["result"]
-                expect(isinstance(result, tuple) and len(result) == 3,
-                       f"{where}: rank {rank} returned {type(result).__name__}; return (dq, dk, dv)")
-                for name, got, full in zip(("dQ", "dK", "dV"), result, (q, k, v)):
-                    expect_close(got, full.grad[:, rows].numpy(), f"{where}: rank {rank}'s {name}", check_dtype=False,
-                                 **TOLERANCE)
-        raise_world_failure(failure)
+        judge_worlds(worlds, outcomes, self.judge_world)
         return ("dQ, dK, dV equal single-process autograd for c = 2 and 4; K/V and dK/dV went around the ring, "
                 "bytes equal to the formula")
+
+    def judge_world(self, world, per_rank) -> None:
+        c, heads, seq, d, causal, seed = world
+        where = f"with c = {c} ranks{' (causal)' if causal else ''}"
+        for rank, outcome in enumerate(per_rank):
+            events = outcome["events"]
+            other = unexpected_ops(events, {"send", "recv"})
+            expect(not other, f"{where}: rank {rank} called {', '.join(other)}; the backward passes K/V and their "
+                              "gradients around the ring with send/recv")
+            peers = {e.get("peer") for e in events if e["op"] in ("send", "recv")}
+            expect(peers <= {(rank + 1) % c, (rank - 1) % c},
+                   f"{where}: rank {rank} exchanged messages with ranks {sorted(peers)}; in a ring each rank "
+                   "talks only to its two neighbours (dK/dV reach their owner by going on around the ring)")
+            sent = sum(e["bytes"] for e in events if e["op"] == "send")
+            wanted = ring_backward_bytes_per_layer(seq, heads * d, c, FP32)
+            expect(sent == wanted,
+                   f"{where}: rank {rank} sent {sent} bytes; the ring backward sends its K and V on in c - 1 = "
+                   f"{c - 1} steps and each block's dK/dV accumulator on in c = {c} steps (the last one brings "
+                   f"it home): {int(wanted)} bytes of fp32")
+        q, k, v, dout = (x.double().requires_grad_() for x in full_tensors(seed, heads, seq, d, count=4))
+        attention(q, k, v, causal)[0].backward(dout.detach())
+        for rank, outcome in enumerate(per_rank):
+            rows = contiguous(seq, c)[rank]
+            result = outcome["result"]
+            expect(isinstance(result, tuple) and len(result) == 3,
+                   f"{where}: rank {rank} returned {type(result).__name__}; return (dq, dk, dv)")
+            for name, got, full in zip(("dQ", "dK", "dV"), result, (q, k, v)):
+                expect_close(got, full.grad[:, rows].numpy(), f"{where}: rank {rank}'s {name}", check_dtype=False,
+                             **TOLERANCE)
 
 
 @exercise("cp.zigzag", points=3)
@@ -190,31 +192,32 @@ class Zigzag(Check):
                                          for c, heads, seq, d, seed in worlds])
 
     def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (c, heads, seq, d, seed), per_rank in zip(worlds, done):
-            where = f"with c = {c} ranks (zigzag, causal)"
-            blocks = RingBlocks(c, heads, seq, d, seed, "zigzag")
-            for rank, outcome in enumerate(per_rank):
-                check_ring_pattern(blocks, rank, outcome["events"], where)
-                check_blocks_not_kept(blocks, rank, outcome["events"], where)
-            wanted = oracle(seed, heads, seq, d, True)
-            for rank, outcome in enumerate(per_rank):
-                rows = zigzag(seq, c)[rank]
-                half = len(rows) // 2
-                swapped = rows[half:] + rows[:half]
-                judge_output(outcome["result"], wanted[:, rows], f"{where}: rank {rank}'s output", [(
-                    f"has its two chunks swapped: rank {rank} holds chunk {rank} and then chunk {2 * c - 1 - rank}; "
-                    "return the outputs in the order of the rank's tokens", wanted[:, swapped])])
-            work = [score_entries(outcome["events"], heads, d) for outcome in per_rank]
-            chunk = seq // (2 * c)
-            most = (2 * c + 1) * chunk ** 2
-            expect(max(work) <= most,
-                   f"{where}: the ranks computed {[int(w) for w in work]} query x key scores per head; the zigzag "
-                   f"layout needs {most} on every rank (2c + 1 = {2 * c + 1} chunk pairs of {chunk} x {chunk}): "
-                   "split each block into its two chunks and skip the pairs whose keys all come after the queries")
-            expect(max(work) <= 1.2 * min(work),
-                   f"{where}: the ranks computed {[int(w) for w in work]} query x key scores per head; the zigzag "
-                   "layout exists to give every rank the same causal work")
-        raise_world_failure(failure)
+        judge_worlds(worlds, outcomes, self.judge_world)
         return ("zigzag outputs equal single-process causal attention for c = 3 and 4, in each rank's token order; "
                 "every rank computed the same (2c + 1) chunk pairs of scores")
+
+    def judge_world(self, world, per_rank) -> None:
+        c, heads, seq, d, seed = world
+        where = f"with c = {c} ranks (zigzag, causal)"
+        blocks = RingBlocks(c, heads, seq, d, seed, "zigzag")
+        for rank, outcome in enumerate(per_rank):
+            check_ring_pattern(blocks, rank, outcome["events"], where)
+            check_blocks_not_kept(blocks, rank, outcome["events"], where)
+        wanted = oracle(seed, heads, seq, d, True)
+        for rank, outcome in enumerate(per_rank):
+            rows = zigzag(seq, c)[rank]
+            half = len(rows) // 2
+            swapped = rows[half:] + rows[:half]
+            judge_output(outcome["result"], wanted[:, rows], f"{where}: rank {rank}'s output", [(
+                f"has its two chunks swapped: rank {rank} holds chunk {rank} and then chunk {2 * c - 1 - rank}; "
+                "return the outputs in the order of the rank's tokens", wanted[:, swapped])])
+        work = [score_entries(outcome["events"], heads, d) for outcome in per_rank]
+        chunk = seq // (2 * c)
+        most = (2 * c + 1) * chunk ** 2
+        expect(max(work) <= most,
+               f"{where}: the ranks computed {[int(w) for w in work]} query x key scores per head; the zigzag "
+               f"layout needs {most} on every rank (2c + 1 = {2 * c + 1} chunk pairs of {chunk} x {chunk}): "
+               "split each block into its two chunks and skip the pairs whose keys all come after the queries")
+        expect(max(work) <= 1.2 * min(work),
+               f"{where}: the ranks computed {[int(w) for w in work]} query x key scores per head; the zigzag "
+               "layout exists to give every rank the same causal work")

@@ -6,7 +6,7 @@ from dtp.cp.context_parallel import alltoall_input_bytes, ulysses_bytes_per_laye
 
 from ...compare import expect
 from ...registry import Check, exercise
-from ..common import completed_worlds, raise_world_failure, run_worlds
+from ..common import judge_worlds, run_worlds
 from .harness import contiguous, forward_rank
 from .ring import FP32, judge_output, oracle
 from .ring_pattern import unexpected_ops
@@ -35,24 +35,25 @@ class Ulysses(Check):
                                          for c, heads, seq, d, causal, seed in worlds])
 
     def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (c, heads, seq, d, causal, seed), per_rank in zip(worlds, done):
-            where = f"with c = {c} ranks and {heads} heads{' (causal)' if causal else ''}"
-            wanted_bytes = alltoall_input_bytes(seq, heads * d, heads * d, c, FP32)
-            for rank, outcome in enumerate(per_rank):
-                events = outcome["events"]
-                other = unexpected_ops(events, {"all_to_all"})
-                expect(not other, f"{where}: rank {rank} called {', '.join(other)}; Ulysses moves Q, K, V and the "
-                                  "output with all-to-alls only (dist.all_to_all or all_to_all_single)")
-                recorded = sum(e["bytes"] for e in events if e["op"] == "all_to_all")
-                leaving = ulysses_bytes_per_layer(seq, heads * d, heads * d, c, FP32)
-                expect(recorded == wanted_bytes,
-                       f"{where}: rank {rank}'s all-to-alls took {recorded} bytes of input; Q, K and V of its "
-                       f"{seq // c} tokens in and its output back are {int(wanted_bytes)} bytes of fp32 "
-                       f"((c-1)/c of it, {int(leaving)} bytes, leaves the rank)")
-            wanted = oracle(seed, heads, seq, d, causal)
-            for rank, outcome in enumerate(per_rank):
-                judge_output(outcome["result"], wanted[:, contiguous(seq, c)[rank]], f"{where}: rank {rank}'s output")
-        raise_world_failure(failure)
+        judge_worlds(worlds, outcomes, self.judge_world)
         return ("outputs equal single-process attention for c = 2 and 4; all-to-all bytes equal "
                 "(tokens/c)(2h + 2h_kv)·4 per rank, (c-1)/c of it sent")
+
+    def judge_world(self, world, per_rank) -> None:
+        c, heads, seq, d, causal, seed = world
+        where = f"with c = {c} ranks and {heads} heads{' (causal)' if causal else ''}"
+        wanted_bytes = alltoall_input_bytes(seq, heads * d, heads * d, c, FP32)
+        for rank, outcome in enumerate(per_rank):
+            events = outcome["events"]
+            other = unexpected_ops(events, {"all_to_all"})
+            expect(not other, f"{where}: rank {rank} called {', '.join(other)}; Ulysses moves Q, K, V and the "
+                              "output with all-to-alls only (dist.all_to_all or all_to_all_single)")
+            recorded = sum(e["bytes"] for e in events if e["op"] == "all_to_all")
+            leaving = ulysses_bytes_per_layer(seq, heads * d, heads * d, c, FP32)
+            expect(recorded == wanted_bytes,
+                   f"{where}: rank {rank}'s all-to-alls took {recorded} bytes of input; Q, K and V of its "
+                   f"{seq // c} tokens in and its output back are {int(wanted_bytes)} bytes of fp32 "
+                   f"((c-1)/c of it, {int(leaving)} bytes, leaves the rank)")
+        wanted = oracle(seed, heads, seq, d, causal)
+        for rank, outcome in enumerate(per_rank):
+            judge_output(outcome["result"], wanted[:, contiguous(seq, c)[rank]], f"{where}: rank {rank}'s output")

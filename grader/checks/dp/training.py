@@ -15,7 +15,7 @@ from dtp.dp import costs
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
-from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+from ..common import completed_worlds, events_as_data, judge_worlds, raise_world_failure, run_worlds
 
 DDP_CLASS = "torch.nn.parallel.DistributedDataParallel"
 
@@ -143,12 +143,13 @@ class DataParallelByHand(Check):
                                                   _batches(batch_seed, n))) for n, seeds, batch_seed in worlds])
 
     def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, seeds, batch_seed), per_rank in zip(worlds, done):
-            _judge_trajectory(per_rank, seeds, batch_seed, n, "your average_gradients")
-        raise_world_failure(failure)
+        judge_worlds(worlds, outcomes, self.judge_world)
         return (f"ranks starting from different weights agree after broadcast_parameters, and {STEPS} SGD steps "
                 "equal single-process full-batch training (world sizes 2 and 4)")
+
+    def judge_world(self, world, per_rank) -> None:
+        n, seeds, batch_seed = world
+        _judge_trajectory(per_rank, seeds, batch_seed, n, "your average_gradients")
 
 
 def _bucketed_on_rank(rank, world_size, bucketed_ddp, cap, seeds, batches):

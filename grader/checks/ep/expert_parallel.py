@@ -11,7 +11,7 @@ from dtp.ep import moe
 
 from ...compare import CheckFailed, expect
 from ...registry import Check, exercise
-from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+from ..common import events_as_data, judge_worlds, run_worlds
 from .layer import explain_layer_output, layer_slips, partly_dropped
 from .shared import TORCH_DIFFERENTIABLE_ALL_TO_ALL
 
@@ -257,19 +257,20 @@ class ExpertParallelCheck(Check):
         return run_worlds(_ep_on_rank, [(n, (student.expert_parallel_moe, cases)) for n, cases in worlds])
 
     def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, cases), per_rank in zip(worlds, done):
-            for index, case in enumerate(cases):
-                what = _describe(case, n)
-                ranks = [per_rank[rank][index] for rank in range(n)]
-                oracle = _single_process(case)
-                _judge_outputs(case, ranks, what)
-                _judge_collectives(case, ranks, n, what)
-                _judge_dataflow(case, ranks, n, what)
-                _judge_bytes(case, ranks, n, what)
-                _judge_gradients(case, ranks, oracle, what)
-        raise_world_failure(failure)
+        judge_worlds(worlds, outcomes, self.judge_world)
         return self.summary
+
+    def judge_world(self, world, per_rank) -> None:
+        n, cases = world
+        for index, case in enumerate(cases):
+            what = _describe(case, n)
+            ranks = [per_rank[rank][index] for rank in range(n)]
+            oracle = _single_process(case)
+            _judge_outputs(case, ranks, what)
+            _judge_collectives(case, ranks, n, what)
+            _judge_dataflow(case, ranks, n, what)
+            _judge_bytes(case, ranks, n, what)
+            _judge_gradients(case, ranks, oracle, what)
 
 
 @exercise("ep.expert_parallel_capacity", points=3)

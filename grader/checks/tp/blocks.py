@@ -11,7 +11,7 @@ from dtp.tp import tensor_parallel as tp
 
 from ...compare import CheckFailed, expect
 from ...registry import Check, exercise
-from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+from ..common import events_as_data, judge_worlds, run_worlds
 from .shared import (
     DTENSOR_TP,
     DenseParameters,
@@ -165,19 +165,20 @@ class ParallelBlock(Check):
         return run_worlds(_block_on_rank, [(n, (student.TensorParallelBlock, None, case, False)) for n, case in cases])
 
     def judge(self, cases, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, case), per_rank in zip(cases, done):
-            _judge_block(case, n, per_rank, False, "TensorParallelBlock")
-            message = {"all_reduce": [case["x"].nbytes] * 2}
-            for rank, outcome in enumerate(per_rank):
-                what = f"world {n}, rank {rank}: TensorParallelBlock's"
-                expect_collectives(outcome["events"], "forward", "backward", message, f"{what} forward",
-                                    "g after attention's output projection and after the MLP, each b·s·h values")
-                expect_collectives(outcome["events"], "backward", "sync", message, f"{what} backward",
-                                    "f's all-reduce of dL/dx before the QKV projection and before the MLP")
-        raise_world_failure(failure)
+        judge_worlds(cases, outcomes, self.judge_world)
         return ("equal to the dense block in output and every gradient on 2 and 4 ranks, attention split by heads; "
                 "2 all-reduces of b·s·h values in forward and 2 in backward")
+
+    def judge_world(self, world, per_rank) -> None:
+        n, case = world
+        _judge_block(case, n, per_rank, False, "TensorParallelBlock")
+        message = {"all_reduce": [case["x"].nbytes] * 2}
+        for rank, outcome in enumerate(per_rank):
+            what = f"world {n}, rank {rank}: TensorParallelBlock's"
+            expect_collectives(outcome["events"], "forward", "backward", message, f"{what} forward",
+                                "g after attention's output projection and after the MLP, each b·s·h values")
+            expect_collectives(outcome["events"], "backward", "sync", message, f"{what} backward",
+                                "f's all-reduce of dL/dx before the QKV projection and before the MLP")
 
 
 @exercise("tp.sequence_parallel", points=3)
@@ -210,36 +211,37 @@ class SequenceParallel(Check):
                                                 case, True)) for n, case in cases])
 
     def judge(self, cases, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, case), per_rank in zip(cases, done):
-            full, shard, hidden = case["x"].nbytes, case["x"].nbytes // n, case["hidden"]
-            replicated_bytes = 6 * hidden * 4
-            for rank, outcome in enumerate(per_rank):
-                what = f"world {n}, rank {rank}: SequenceParallelBlock's"
-                expect_collectives(outcome["events"], "forward", "backward",
-                                   {"all_gather": [shard] * 2, "reduce_scatter": [full] * 2}, f"{what} forward",
-                                   "each all-reduce of tensor parallelism becomes an all-gather of the sequence (before "
-                                   "the column-parallel layer) and a reduce-scatter (after the row-parallel one)",
-                                   merge=False)
-            _judge_kept_inputs(case, n, per_rank, "SequenceParallelBlock")  # before the backward's count: it says why
-            for rank, outcome in enumerate(per_rank):
-                what = f"world {n}, rank {rank}: SequenceParallelBlock's"
-                events = outcome["events"]
-                backward = tp.summarize(tp.events_between(events, "backward", "sync"))
-                expect(backward.get("reduce_scatter") == [full] * 2 and backward.get("all_gather") == [shard] * 4
-                       and set(backward) == {"reduce_scatter", "all_gather"},
-                       f"{what} backward issued {describe_collectives(backward)}; it should issue 2 reduce_scatter "
-                       f"({full:,} bytes each: the all-gathers' backward) and 4 all_gather ({shard:,} bytes each: 2 for "
-                       "the reduce-scatters' backward, and 2 that gather the sequence again for the column-parallel "
-                       "layers' weight gradients, since a rank keeps only its piece)")
-                sync = tp.summarize(tp.events_between(events, "sync", "done"))
-                expect(set(sync) <= {"all_reduce"} and sum(sync.get("all_reduce", [])) == replicated_bytes,
-                       f"{what} all_reduce_replicated_gradients issued {describe_collectives(sync)}; it should all-reduce the "
-                       f"gradients of the replicated parameters only (two LayerNorms and two row-parallel biases, "
-                       f"6h = {6 * hidden} floats, {replicated_bytes} bytes), which each rank computed from its own "
-                       "piece of the sequence")
-            _judge_block(case, n, per_rank, True, "SequenceParallelBlock")
-        raise_world_failure(failure)
+        judge_worlds(cases, outcomes, self.judge_world)
         return ("equal to the dense block (output and input gradient by sequence piece, every parameter gradient after "
                 "the sync) on 2 and 4 ranks; all-gathers and reduce-scatters of equal volume replace the all-reduces; "
                 "each rank keeps only its piece of the sequence for backward and gathers it again there")
+
+    def judge_world(self, world, per_rank) -> None:
+        n, case = world
+        full, shard, hidden = case["x"].nbytes, case["x"].nbytes // n, case["hidden"]
+        replicated_bytes = 6 * hidden * 4
+        for rank, outcome in enumerate(per_rank):
+            what = f"world {n}, rank {rank}: SequenceParallelBlock's"
+            expect_collectives(outcome["events"], "forward", "backward",
+                               {"all_gather": [shard] * 2, "reduce_scatter": [full] * 2}, f"{what} forward",
+                               "each all-reduce of tensor parallelism becomes an all-gather of the sequence (before "
+                               "the column-parallel layer) and a reduce-scatter (after the row-parallel one)",
+                               merge=False)
+        _judge_kept_inputs(case, n, per_rank, "SequenceParallelBlock")  # before the backward's count: it says why
+        for rank, outcome in enumerate(per_rank):
+            what = f"world {n}, rank {rank}: SequenceParallelBlock's"
+            events = outcome["events"]
+            backward = tp.summarize(tp.events_between(events, "backward", "sync"))
+            expect(backward.get("reduce_scatter") == [full] * 2 and backward.get("all_gather") == [shard] * 4
+                   and set(backward) == {"reduce_scatter", "all_gather"},
+                   f"{what} backward issued {describe_collectives(backward)}; it should issue 2 reduce_scatter "
+                   f"({full:,} bytes each: the all-gathers' backward) and 4 all_gather ({shard:,} bytes each: 2 for "
+                   "the reduce-scatters' backward, and 2 that gather the sequence again for the column-parallel "
+                   "layers' weight gradients, since a rank keeps only its piece)")
+            sync = tp.summarize(tp.events_between(events, "sync", "done"))
+            expect(set(sync) <= {"all_reduce"} and sum(sync.get("all_reduce", [])) == replicated_bytes,
+                   f"{what} all_reduce_replicated_gradients issued {describe_collectives(sync)}; it should all-reduce the "
+                   f"gradients of the replicated parameters only (two LayerNorms and two row-parallel biases, "
+                   f"6h = {6 * hidden} floats, {replicated_bytes} bytes), which each rank computed from its own "
+                   "piece of the sequence")
+        _judge_block(case, n, per_rank, True, "SequenceParallelBlock")

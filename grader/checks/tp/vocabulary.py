@@ -11,7 +11,7 @@ from dtp.tp import tensor_parallel as tp
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
-from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+from ..common import events_as_data, judge_worlds, run_worlds
 from .shared import (
     DTENSOR_TP,
     DenseParameters,
@@ -88,14 +88,15 @@ class VocabParallel(Check):
                                                      data)) for n, data in worlds])
 
     def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, data), per_rank in zip(worlds, done):
-            self._judge_embedding(n, data, per_rank)
-            self._judge_loss(n, data, per_rank)
-        raise_world_failure(failure)
+        judge_worlds(worlds, outcomes, self.judge_world)
         return ("embedding and per-token cross-entropy equal the dense ones in value and gradient on 2 and 3 ranks "
                 "(uneven vocabulary shards, logits near 100); the loss all-reduces at most 3 numbers per token and no "
                 "rank ever creates a tensor of the vocabulary's size")
+
+    def judge_world(self, world, per_rank) -> None:
+        n, data = world
+        self._judge_embedding(n, data, per_rank)
+        self._judge_loss(n, data, per_rank)
 
     @staticmethod
     def _judge_embedding(n, data, per_rank) -> None:

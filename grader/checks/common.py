@@ -50,13 +50,24 @@ def raise_world_failure(failure: dict | None) -> None:
                           f"with {failure['failed_world']} processes: {feedback}")
 
 
-def judge_worlds(worlds: list, outcomes: list, judge_world) -> None:
-    """In the judge: `judge_world(inputs of the world, its per-rank outcomes)` for each world that
-    completed, in order, then the failure of the one that did not, if any."""
-    done, failure = completed_worlds(outcomes)
-    for world, per_rank in zip(worlds, done):
-        judge_world(world, per_rank)
-    raise_world_failure(failure)
+class WorldsCheck(Check):
+    """A check that runs the learner's code in gloo worlds (`run_worlds` in `collect`): `judge`
+    judges each world that completed, in order (`judge_world(inputs of the world, its per-rank
+    outcomes)`, raising CheckFailed), then reports the world that failed, if any, and returns
+    `summary`, the pass line."""
+
+    runs_world = True
+    summary = ""
+
+    def judge_world(self, world, per_rank: list) -> None:
+        raise NotImplementedError
+
+    def judge(self, worlds, outcomes) -> str:
+        done, failure = completed_worlds(outcomes)
+        for world, per_rank in zip(worlds, done):
+            self.judge_world(world, per_rank)
+        raise_world_failure(failure)
+        return self.summary
 
 
 def events_as_data(log, payloads: bool = False) -> list[dict]:

@@ -8,8 +8,8 @@ import torch
 from dtp.cp.context_parallel import ring_backward_bytes_per_layer
 
 from ...compare import CheckFailed, expect, expect_close
-from ...registry import Check, exercise
-from ..common import judge_worlds, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, run_worlds
 from .harness import attention, backward_rank, contiguous, forward_rank, full_tensors, zigzag
 from .ring_pattern import (
     RingBlocks,
@@ -51,7 +51,7 @@ def judge_output(out, wanted, what, slips=()):
 
 
 @exercise("cp.ring_forward", points=4)
-class RingForward(Check):
+class RingForward(WorldsCheck):
     """Verifies: on c = 2 (causal or not, drawn) and c = 4 (causal) gloo ranks with random heads,
     tokens per rank and head size, every rank's output equals single-process attention on its
     tokens; each rank used only send/recv, to one neighbour and from the other, and sent exactly
@@ -70,7 +70,9 @@ class RingForward(Check):
     reads = ("ring_attention",)
     references = ("dtp.cp.context_parallel.ring_attention_forward",)
     timeout_s = 60
-    runs_world = True
+    summary = ("outputs equal single-process attention for c = 2 and 4 (causal); K and V blocks passed on to one "
+               "neighbour in c - 1 steps, scores computed block by block as the blocks arrived, no buffer for all of K and V "
+               "and no used block kept")
 
     def prepare(self, rng):
         return [(c, int(rng.integers(1, 4)), c * int(rng.integers(2, 6)), int(rng.integers(6, 10)),
@@ -79,12 +81,6 @@ class RingForward(Check):
     def collect(self, student, worlds):
         return run_worlds(forward_rank, [(c, (student.ring_attention, seed, heads, seq, d, causal, "contiguous"))
                                          for c, heads, seq, d, causal, seed in worlds])
-
-    def judge(self, worlds, outcomes) -> str:
-        judge_worlds(worlds, outcomes, self.judge_world)
-        return ("outputs equal single-process attention for c = 2 and 4 (causal); K and V blocks passed on to one "
-                "neighbour in c - 1 steps, scores computed block by block as the blocks arrived, no buffer for all of K and V "
-                "and no used block kept")
 
     def judge_world(self, world, per_rank) -> None:
         c, heads, seq, d, causal, seed = world
@@ -108,7 +104,7 @@ class RingForward(Check):
 
 
 @exercise("cp.ring_backward", points=3)
-class RingBackward(Check):
+class RingBackward(WorldsCheck):
     """Verifies: on c = 2 (causal) and c = 4 (causal or not) gloo ranks, dQ, dK and dV of every
     rank's blocks equal single-process autograd of attention (the forward's output and
     log-sum-exp given); only send/recv to ring neighbours; the bytes each rank sent equal the
@@ -120,7 +116,8 @@ class RingBackward(Check):
     reads = ("ring_attention_backward",)
     references = ("dtp.cp.context_parallel.ring_attention_backward",)
     timeout_s = 60
-    runs_world = True
+    summary = ("dQ, dK, dV equal single-process autograd for c = 2 and 4; K/V and dK/dV went around the ring, "
+               "bytes equal to the formula")
 
     def prepare(self, rng):
         return [(c, int(rng.integers(1, 4)), c * int(rng.integers(2, 5)), int(rng.integers(3, 8)),
@@ -129,11 +126,6 @@ class RingBackward(Check):
     def collect(self, student, worlds):
         return run_worlds(backward_rank, [(c, (student.ring_attention_backward, seed, heads, seq, d, causal))
                                           for c, heads, seq, d, causal, seed in worlds])
-
-    def judge(self, worlds, outcomes) -> str:
-        judge_worlds(worlds, outcomes, self.judge_world)
-        return ("dQ, dK, dV equal single-process autograd for c = 2 and 4; K/V and dK/dV went around the ring, "
-                "bytes equal to the formula")
 
     def judge_world(self, world, per_rank) -> None:
         c, heads, seq, d, causal, seed = world
@@ -166,7 +158,7 @@ class RingBackward(Check):
 
 
 @exercise("cp.zigzag", points=3)
-class Zigzag(Check):
+class Zigzag(WorldsCheck):
     """Verifies: on c = 3 and c = 4 gloo ranks, each holding chunks r and 2c-1-r of the sequence
     in 2c chunks, every rank's causal attention output equals single-process attention on its
     tokens, in the order it holds them; the ring pattern of exercise 2, used blocks not kept (at
@@ -180,7 +172,8 @@ class Zigzag(Check):
     reads = ("zigzag_ring_attention",)
     references = ("dtp.cp.context_parallel.ring_attention_forward", "dtp.cp.context_parallel.zigzag_positions")
     timeout_s = 60
-    runs_world = True
+    summary = ("zigzag outputs equal single-process causal attention for c = 3 and 4, in each rank's token order; "
+               "every rank computed the same (2c + 1) chunk pairs of scores")
 
     def prepare(self, rng):
         # head size above any block's key count, so the score products are the ones with inner size d
@@ -190,11 +183,6 @@ class Zigzag(Check):
     def collect(self, student, worlds):
         return run_worlds(forward_rank, [(c, (student.zigzag_ring_attention, seed, heads, seq, d, True, "zigzag"))
                                          for c, heads, seq, d, seed in worlds])
-
-    def judge(self, worlds, outcomes) -> str:
-        judge_worlds(worlds, outcomes, self.judge_world)
-        return ("zigzag outputs equal single-process causal attention for c = 3 and 4, in each rank's token order; "
-                "every rank computed the same (2c + 1) chunk pairs of scores")
 
     def judge_world(self, world, per_rank) -> None:
         c, heads, seq, d, seed = world

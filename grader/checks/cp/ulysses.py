@@ -5,15 +5,15 @@ from __future__ import annotations
 from dtp.cp.context_parallel import alltoall_input_bytes, ulysses_bytes_per_layer
 
 from ...compare import expect
-from ...registry import Check, exercise
-from ..common import judge_worlds, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, run_worlds
 from .harness import contiguous, forward_rank
 from .ring import FP32, judge_output, oracle
 from .ring_pattern import unexpected_ops
 
 
 @exercise("cp.ulysses", points=3)
-class Ulysses(Check):
+class Ulysses(WorldsCheck):
     """Verifies: on c = 2 and c = 4 gloo ranks (heads a random multiple of c, causal drawn), every
     rank's output equals single-process attention on its tokens; the rank used all-to-alls only,
     and the bytes their inputs add up to equal (tokens/c)·(2h + 2h)·4, Q, K, V in and the output
@@ -24,7 +24,8 @@ class Ulysses(Check):
     reads = ("ulysses_attention",)
     references = ("dtp.cp.context_parallel.ulysses_attention",)
     timeout_s = 40
-    runs_world = True
+    summary = ("outputs equal single-process attention for c = 2 and 4; all-to-all bytes equal "
+               "(tokens/c)(2h + 2h_kv)·4 per rank, (c-1)/c of it sent")
 
     def prepare(self, rng):
         return [(c, c * int(rng.integers(1, 3)), c * int(rng.integers(1, 5)), int(rng.integers(2, 7)),
@@ -33,11 +34,6 @@ class Ulysses(Check):
     def collect(self, student, worlds):
         return run_worlds(forward_rank, [(c, (student.ulysses_attention, seed, heads, seq, d, causal, "contiguous"))
                                          for c, heads, seq, d, causal, seed in worlds])
-
-    def judge(self, worlds, outcomes) -> str:
-        judge_worlds(worlds, outcomes, self.judge_world)
-        return ("outputs equal single-process attention for c = 2 and 4; all-to-all bytes equal "
-                "(tokens/c)(2h + 2h_kv)·4 per rank, (c-1)/c of it sent")
 
     def judge_world(self, world, per_rank) -> None:
         c, heads, seq, d, causal, seed = world

@@ -10,8 +10,8 @@ from dtp.common.traffic import CommunicationLog
 from dtp.ep import moe
 
 from ...compare import CheckFailed, expect
-from ...registry import Check, exercise
-from ..common import events_as_data, judge_worlds, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, events_as_data, run_worlds
 from .layer import explain_layer_output, layer_slips, partly_dropped
 from .shared import TORCH_DIFFERENTIABLE_ALL_TO_ALL
 
@@ -240,11 +240,10 @@ def _judge_gradients(case, outcomes, oracle, what: str) -> None:
                                   else ""))
 
 
-class ExpertParallelCheck(Check):
+class ExpertParallelCheck(WorldsCheck):
     reads = ("expert_parallel_moe",)
     references = TORCH_DIFFERENTIABLE_ALL_TO_ALL
     timeout_s = 40
-    runs_world = True
     dropless = False
 
     def worlds(self, rng) -> list[tuple[int, list]]:
@@ -255,10 +254,6 @@ class ExpertParallelCheck(Check):
 
     def collect(self, student, worlds):
         return run_worlds(_ep_on_rank, [(n, (student.expert_parallel_moe, cases)) for n, cases in worlds])
-
-    def judge(self, worlds, outcomes) -> str:
-        judge_worlds(worlds, outcomes, self.judge_world)
-        return self.summary
 
     def judge_world(self, world, per_rank) -> None:
         n, cases = world

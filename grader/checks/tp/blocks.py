@@ -10,8 +10,8 @@ from dtp.common.traffic import CommunicationLog
 from dtp.tp import tensor_parallel as tp
 
 from ...compare import CheckFailed, expect
-from ...registry import Check, exercise
-from ..common import events_as_data, judge_worlds, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, events_as_data, run_worlds
 from .shared import (
     DTENSOR_TP,
     DenseParameters,
@@ -143,7 +143,7 @@ def _judge_block(case, n, per_rank, sequence_parallel: bool, what_block: str) ->
 
 
 @exercise("tp.parallel_block", points=4)
-class ParallelBlock(Check):
+class ParallelBlock(WorldsCheck):
     """Verifies: TensorParallelBlock(block) on 2 and 4 ranks equals the dense dtp.common.gpt Block (same
     random weights, LayerNorms included) in output, input gradient and every parameter gradient;
     each rank holds q, k and v of the same t-th of the heads and 1/t of every matrix; forward
@@ -156,18 +156,14 @@ class ParallelBlock(Check):
     reads = ("TensorParallelBlock",)
     references = DTENSOR_TP
     timeout_s = 50
-    runs_world = True
+    summary = ("equal to the dense block in output and every gradient on 2 and 4 ranks, attention split by heads; "
+               "2 all-reduces of b·s·h values in forward and 2 in backward")
 
     def prepare(self, rng):
         return [_block_case(rng, n, False) for n in (2, 4)]
 
     def collect(self, student, cases):
         return run_worlds(_block_on_rank, [(n, (student.TensorParallelBlock, None, case, False)) for n, case in cases])
-
-    def judge(self, cases, outcomes) -> str:
-        judge_worlds(cases, outcomes, self.judge_world)
-        return ("equal to the dense block in output and every gradient on 2 and 4 ranks, attention split by heads; "
-                "2 all-reduces of b·s·h values in forward and 2 in backward")
 
     def judge_world(self, world, per_rank) -> None:
         n, case = world
@@ -182,7 +178,7 @@ class ParallelBlock(Check):
 
 
 @exercise("tp.sequence_parallel", points=3)
-class SequenceParallel(Check):
+class SequenceParallel(WorldsCheck):
     """Verifies: SequenceParallelBlock(block), fed its rank's piece of the sequence on 2 and 4
     ranks (batch > 1 every time), returns its piece of the dense block's output and input
     gradient; after all_reduce_replicated_gradients every gradient equals the dense block's;
@@ -201,7 +197,9 @@ class SequenceParallel(Check):
     reads = ("SequenceParallelBlock", "all_reduce_replicated_gradients")
     references = DTENSOR_TP
     timeout_s = 50
-    runs_world = True
+    summary = ("equal to the dense block (output and input gradient by sequence piece, every parameter gradient after "
+               "the sync) on 2 and 4 ranks; all-gathers and reduce-scatters of equal volume replace the all-reduces; "
+               "each rank keeps only its piece of the sequence for backward and gathers it again there")
 
     def prepare(self, rng):
         return [_block_case(rng, n, True) for n in (2, 4)]
@@ -209,12 +207,6 @@ class SequenceParallel(Check):
     def collect(self, student, cases):
         return run_worlds(_block_on_rank, [(n, (student.SequenceParallelBlock, student.all_reduce_replicated_gradients,
                                                 case, True)) for n, case in cases])
-
-    def judge(self, cases, outcomes) -> str:
-        judge_worlds(cases, outcomes, self.judge_world)
-        return ("equal to the dense block (output and input gradient by sequence piece, every parameter gradient after "
-                "the sync) on 2 and 4 ranks; all-gathers and reduce-scatters of equal volume replace the all-reduces; "
-                "each rank keeps only its piece of the sequence for backward and gathers it again there")
 
     def judge_world(self, world, per_rank) -> None:
         n, case = world

@@ -11,8 +11,8 @@ from dtp.common.traffic import CommunicationLog
 from dtp.tp import tensor_parallel as tp
 
 from ...compare import CheckFailed
-from ...registry import Check, exercise
-from ..common import events_as_data, judge_worlds, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, events_as_data, run_worlds
 from .shared import (
     DTENSOR_TP,
     DenseParameters,
@@ -101,7 +101,7 @@ def _linears_on_rank(rank, world_size, column_class, row_class, data):
 
 
 @exercise("tp.parallel_linear", points=3)
-class ParallelLinear(Check):
+class ParallelLinear(WorldsCheck):
     """Verifies: on 2 and 4 ranks, with feature counts not divisible by t, ColumnParallelLinear
     returns its rank's output features and passes back the full input gradient (one all-reduce,
     in backward only); RowParallelLinear takes its rank's input features and returns the whole
@@ -118,7 +118,9 @@ class ParallelLinear(Check):
     reads = ("ColumnParallelLinear", "RowParallelLinear")
     references = DTENSOR_TP
     timeout_s = 40
-    runs_world = True
+    summary = ("on 2 and 4 ranks (features not divisible by t): outputs, input, weight and bias gradients equal the "
+               "dense layer's; the row layer adds its bias once; one all-reduce each, in backward (column) and "
+               "forward (row)")
 
     def prepare(self, rng):
         worlds = []
@@ -138,12 +140,6 @@ class ParallelLinear(Check):
     def collect(self, student, worlds):
         return run_worlds(_linears_on_rank, [(n, (student.ColumnParallelLinear, student.RowParallelLinear, data))
                                              for n, data in worlds])
-
-    def judge(self, worlds, outcomes) -> str:
-        judge_worlds(worlds, outcomes, self.judge_world)
-        return ("on 2 and 4 ranks (features not divisible by t): outputs, input, weight and bias gradients equal the "
-                "dense layer's; the row layer adds its bias once; one all-reduce each, in backward (column) and "
-                "forward (row)")
 
     def judge_world(self, world, per_rank) -> None:
         n, data = world

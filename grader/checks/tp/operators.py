@@ -9,7 +9,7 @@ from dtp.common.traffic import CommunicationLog
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
-from ..common import events_as_data, judge_worlds, run_worlds
+from ..common import WorldsCheck, events_as_data, run_worlds
 from .shared import close, expect_collectives, leaf, matches, run_backward
 
 # --- 1. numpy MLP over simulated ranks -------------------------------------------------------------
@@ -163,7 +163,7 @@ def _judge_untouched(handed: dict, arrays: dict, sums: dict, rank: int, what: st
 
 
 @exercise("tp.f_and_g", points=2)
-class FAndG(Check):
+class FAndG(WorldsCheck):
     """Verifies: on gloo worlds of 2 and 3 with different inputs and upstream gradients on every
     rank, f returns its input and its backward returns the sum of the ranks' gradients; g returns
     the sum of the ranks' inputs and its backward returns the rank's own gradient; f issues one
@@ -176,7 +176,8 @@ class FAndG(Check):
 
     reads = ("copy_to_tensor_parallel", "reduce_from_tensor_parallel")
     timeout_s = 40
-    runs_world = True
+    summary = ("f: identity forward, one all-reduce (sum) backward; g: one all-reduce forward, identity backward; "
+               "checked with different inputs and gradients on 2 and 3 ranks")
 
     def prepare(self, rng):
         worlds = []
@@ -189,11 +190,6 @@ class FAndG(Check):
     def collect(self, student, worlds):
         return run_worlds(_f_and_g_on_rank, [(n, (student.copy_to_tensor_parallel, student.reduce_from_tensor_parallel,
                                                   arrays)) for n, arrays in worlds])
-
-    def judge(self, worlds, outcomes) -> str:
-        judge_worlds(worlds, outcomes, self.judge_world)
-        return ("f: identity forward, one all-reduce (sum) backward; g: one all-reduce forward, identity backward; "
-                "checked with different inputs and gradients on 2 and 3 ranks")
 
     def judge_world(self, world, per_rank) -> None:
         n, arrays = world

@@ -17,8 +17,8 @@ from dtp.zero import formulas as zero
 from dtp.zero import runs as zero_runs
 
 from ...compare import CheckFailed, expect, expect_close
-from ...registry import Check, exercise
-from ..common import judge_worlds, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, run_worlds
 from .judging import ITEM, STEPS, ZeroJudge, bytes_between
 
 ZERO_OPTIMIZER = "torch.distributed.optim.ZeroRedundancyOptimizer"
@@ -162,7 +162,7 @@ def _stage_inputs(rng, world_sizes, layers: int) -> list[tuple]:
     return worlds
 
 
-class ZeroStageCheck(Check):
+class ZeroStageCheck(WorldsCheck):
     """One ZeRO stage trained on gloo worlds of the given sizes and judged world by world."""
 
     stage = 0
@@ -170,7 +170,6 @@ class ZeroStageCheck(Check):
     layers = 3
     world_sizes: tuple[int, ...] = ()
     timeout_s = 60
-    runs_world = True
 
     def prepare(self, rng):
         return _stage_inputs(rng, self.world_sizes, self.layers)
@@ -180,9 +179,8 @@ class ZeroStageCheck(Check):
         return run_worlds(zero_runs.train_zero_rank, [(n, (self.stage, make, sizes, seed, batch_seed))
                                                          for n, sizes, seed, batch_seed in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        judge_worlds(worlds, outcomes, lambda world, per_rank: StageJudge(self.stage, *world, per_rank, self.name).judge())
-        return self.summary
+    def judge_world(self, world, per_rank) -> None:
+        StageJudge(self.stage, *world, per_rank, self.name).judge()
 
 
 @exercise("zero.zero1", points=3)

@@ -16,8 +16,8 @@ from dtp.zero import formulas as zero
 from dtp.zero import runs as zero_runs
 
 from ...compare import CheckFailed, expect, expect_close
-from ...registry import Check, exercise
-from ..common import judge_worlds, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, run_worlds
 from .judging import FSDP_REFERENCES, ITEM, STEPS, ZeroJudge, bytes_between
 
 
@@ -141,7 +141,7 @@ def _needs_padding(config, n: int) -> bool:
 
 
 @exercise("zero.zero3", points=4)
-class ZeRO3(Check):
+class ZeRO3(WorldsCheck):
     """Verifies: on 3 and 4 ranks, a GPT drawn by the check (3 blocks, hidden 8 to 16, a
     vocabulary of 17 to 40, tied embeddings) wrapped by the learner's module with each block a unit
     and the root for the rest, trained by AdamW (weight decay 0.1) over its parameters, equals
@@ -160,7 +160,6 @@ class ZeRO3(Check):
     references = FSDP_REFERENCES + ("dtp.zero.sharded.ZeRO3",)
     world_sizes = (3, 4)
     timeout_s = 90
-    runs_world = True
     summary = ("3 AdamW steps of a GPT with tied embeddings equal data-parallel AdamW on 3 and 4 ranks; only pieces "
                "held, each unit (block, root) gathered just before forward and again in backward, at most two units "
                "gathered at once; 3(n-1)/n·Ψ sent per step")
@@ -182,6 +181,5 @@ class ZeRO3(Check):
         return run_worlds(zero_runs.train_zero3_gpt_rank, [(n, (make, config, seed, batch_seed))
                                                             for n, config, seed, batch_seed in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        judge_worlds(worlds, outcomes, lambda world, per_rank: GPTZero3Judge(*world, per_rank).judge())
-        return self.summary
+    def judge_world(self, world, per_rank) -> None:
+        GPTZero3Judge(*world, per_rank).judge()

@@ -12,6 +12,8 @@ so that no verdict depends on how busy the machine was.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -19,18 +21,35 @@ from dtp.common.traffic import CommunicationLog
 
 # aten operations that are matrix products: the compute a collective can hide under
 MATRIX_PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_addmm_activation"}
-_BIAS_FIRST = ("addmm", "baddbmm", "addbmm")  # addmm(bias, a, b): the first matrix is the second tensor
+_BIAS_FIRST = ("addmm", "baddbmm", "addbmm", "_addmm_activation")  # addmm(bias, a, b): the matrices come second
+# fused attention kernels, recorded as their score product Q @ K^T
+FUSED_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                   "_scaled_dot_product_efficient_attention")
+
+
+def _product_shape(name: str, tensors: list) -> dict:
+    """batch, m, k, n of a (batched) product of an m x k and a k x n matrix; "rows" is m (a chunk
+    of rows tells a chunked GEMM from a whole one)."""
+    if name in FUSED_ATTENTION:
+        q, k = tensors[0], tensors[1]
+        batch, m, inner, n = math.prod(q.shape[:-2]), q.shape[-2], q.shape[-1], k.shape[-2]
+    else:
+        a, b = tensors[1:3] if name in _BIAS_FIRST else tensors[:2]
+        batch = a.shape[0] if a.dim() == 3 else 1
+        m, inner, n = (a.shape[-2] if a.dim() > 1 else 1), a.shape[-1], b.shape[-1]
+    return {"rows": int(m), "batch": int(batch), "m": int(m), "k": int(inner), "n": int(n)}
 
 
 class MatrixProducts(TorchDispatchMode):
-    """Appends {"op": "compute", "rows": ..., "gathers": [...]} to `events` for every matrix
-    product: the rows of its first operand (a chunk of rows tells a chunked GEMM from a whole
-    one) and, with a tracker (dtp.zero.measure.FullTensorTracker), the gathers (numbered from 1,
-    in issue order) its operands' values came from."""
+    """Appends {"op": "compute", "rows", "batch", "m", "k", "n"} to `events` for every matrix
+    product (a fused attention kernel counts as its score product); with a tracker
+    (dtp.zero.measure.FullTensorTracker) also "gathers", the gathers (numbered from 1, in issue
+    order) its operands' values came from, and with `kept` (a function of nothing) "kept", what
+    it returns as the product runs (the received bytes still referenced, say)."""
 
-    def __init__(self, events: list, tracker=None):
+    def __init__(self, events: list, tracker=None, kept=None):
         super().__init__()
-        self.events, self.tracker = events, tracker
+        self.events, self.tracker, self.kept = events, tracker, kept
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -38,12 +57,13 @@ class MatrixProducts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if func.namespace == "aten" and name in MATRIX_PRODUCTS:
+        if func.namespace == "aten" and (name in MATRIX_PRODUCTS or name in FUSED_ATTENTION):
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            first = tensors[1] if name in _BIAS_FIRST else tensors[0]
-            event = {"op": "compute", "rows": int(first.shape[-2]) if first.dim() > 1 else 1}
+            event = {"op": "compute", **_product_shape(name, tensors)}
             if self.tracker is not None:
                 event["gathers"] = self.tracker.gathers_of(tensors)
+            if self.kept is not None:
+                event["kept"] = self.kept()
             self.events.append(event)
         return func(*args, **(kwargs or {}))
 
@@ -64,10 +84,10 @@ class Timeline(CommunicationLog):
         """Put a computation the caller runs (a stage's forward "F", ...) into the sequence."""
         self.events.append({"op": op, **fields})
 
-    def matrix_products(self, tracker=None) -> MatrixProducts:
+    def matrix_products(self, tracker=None, kept=None) -> MatrixProducts:
         """A dispatch mode to enter inside this log (and inside `tracker`, when given): it puts
-        every matrix product into the sequence as {"op": "compute", ...}."""
-        return MatrixProducts(self.events, tracker)
+        every matrix product into the sequence as {"op": "compute", ...} (see MatrixProducts)."""
+        return MatrixProducts(self.events, tracker, kept)
 
 
 # --- the logical clock --------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Shared helpers: course notebooks with one definition swapped for a (wrong) variant, graded
-in-process through the public grading API, and process-tree inspection."""
+in-process through the public grading API (`graded`, `assert_fails`), and process-tree inspection."""
 from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -74,6 +75,28 @@ def _cell_defining(notebook, name: str) -> int:
     raise KeyError(name)
 
 
+@functools.lru_cache(maxsize=None)
+def solution_notebook(chapter: str):
+    """The chapter's solution notebook, read once (do not change it: notebook_variant makes copies)."""
+    return nbformat.read(solution_path(chapter), as_version=4)
+
+
+def solution_cell(chapter: str, name: str) -> str:
+    """The source of the chapter's solution cell that defines `name` (a function, a class or a
+    variable, at the cell's top level)."""
+    notebook = solution_notebook(chapter)
+    return notebook.cells[_cell_defining(notebook, name)].source
+
+
+def changed(source: str, *replacements: tuple[str, str]) -> str:
+    """`source` with each (old, new) replaced; an `old` that is not there fails the test (the
+    solution changed under it)."""
+    for old, new in replacements:
+        assert old in source, old
+        source = source.replace(old, new)
+    return source
+
+
 def notebook_variant(tmp_path: Path, chapter: str, replacements: dict[str, str], extra_cells=()) -> Path:
     """The chapter's solution notebook with the cell defining each named function replaced."""
     notebook = nbformat.read(solution_path(chapter), as_version=4)
@@ -91,6 +114,29 @@ def grade(path: Path, *exercise_ids: str, timeout_s: float | None = None) -> dic
     from grader.grading import grade_notebook
     report = grade_notebook(str(path), list(exercise_ids) or None, timeout_s)
     return {result.id: result for result in report.exercises}
+
+
+def graded(tmp_notebook, exercise_id: str, replacements: dict[str, str]):
+    """The result of one exercise on its chapter's solution notebook with the cells defining the
+    names in `replacements` replaced by the given sources (`tmp_notebook`: the fixture)."""
+    return grade(tmp_notebook(exercise_id.split(".")[0], replacements), exercise_id)[exercise_id]
+
+
+def assert_fails(result, *feedback) -> None:
+    """The exercise failed with no points, and its feedback holds one of the `feedback` texts (a
+    tuple counts as its texts: several where the random draw decides which of two right
+    diagnoses comes first)."""
+    texts = [text for item in feedback for text in ((item,) if isinstance(item, str) else item)]
+    assert result.status == "failed" and result.points == 0, result
+    assert any(text in result.feedback for text in texts), result.feedback
+
+
+def assert_verdict(result, feedback: str | None) -> None:
+    """Passed when `feedback` is None (a right answer), else failed with that feedback."""
+    if feedback is None:
+        assert result.status == "passed", result
+    else:
+        assert_fails(result, feedback)
 
 
 def grader_cli(*args, cwd=REPO, marker=None, tmpdir=None, timeout=300, **kwargs) -> subprocess.CompletedProcess:

@@ -113,6 +113,11 @@ class CommunicationLog:
         """Bytes sent point to point."""
         return sum(event["bytes"] for event in self.of("send"))
 
+    def kept(self, keys: tuple) -> list[dict]:
+        """The events as plain dicts of the fields in `keys` (those an event has): what a rank
+        hands back to a judge, without tensors, handles or times."""
+        return [{key: event[key] for key in keys if key in event} for event in self.events]
+
     def mark(self, label: str) -> None:
         """Put a named point into the sequence (e.g. "optimizer step"), to order events against."""
         self.events.append({"op": "mark", "label": label, "t": time.perf_counter()})

@@ -1,10 +1,10 @@
 """The overlap chapter's graded runs: one rank of a gloo world running the learner's code with
 everything it issues, waits on and computes recorded in ONE ordered list per rank.
 
-A CommunicationLog records the collectives and point-to-point messages (with `async_op=True`
-they return a handle, whose `wait()` is recorded as {"op": "wait", "of": index}); a dispatch
-mode appends every matrix product to the same list as {"op": "compute"}. The grader judges the
-order (was the next unit's all-gather issued before this unit's product and waited on after
+A Timeline (dtp.common.timeline) records the collectives and point-to-point messages (with
+`async_op=True` they return a handle, whose `wait()` is recorded as {"op": "wait", "of": index})
+and, inside its `matrix_products()`, every matrix product as {"op": "compute"}. The grader judges
+the order (was the next unit's all-gather issued before this unit's product and waited on after
 it?), never how long anything took. ZeRO-3 also counts the gathered units alive after every
 operation (dtp.zero.measure.FullTensorTracker), which is the memory price of prefetching.
 """
@@ -12,44 +12,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtp.common.models import tiny_mlp
-from dtp.common.traffic import CommunicationLog
+from dtp.common.timeline import MatrixProducts, Timeline
 from dtp.zero.measure import FullTensorTracker, clear_gradients
-from dtp.zero.runs import ADAM, batches, rank_rows
+from dtp.zero.runs import ADAM, batches, gathered_units, marked_step, rank_rows
 
-# aten operations that are matrix products: the compute a collective can hide under
-MATRIX_PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_addmm_activation"}
 KEEP = ("op", "bytes", "peer", "of", "label", "rows", "gathers")
 PREFETCH_STEPS = 2
 GATHERED_UNITS_LIMIT = 2  # the unit computing and the next one, prefetched
-
-
-class ComputeRecorder(TorchDispatchMode):
-    """Appends {"op": "compute", "rows": ..., "gathers": [...]} to `events` for every matrix
-    product: the rows of its first operand (a chunk of rows tells a chunked GEMM from a whole
-    one) and, with a tracker, which gathers (numbered from 1, in issue order) its operands'
-    values came from."""
-
-    def __init__(self, events: list, tracker: FullTensorTracker | None = None):
-        super().__init__()
-        self.events, self.tracker = events, tracker
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # nothing compiled runs here (see FullTensorTracker)
-
-    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-        if func.namespace == "aten" and func.overloadpacket.__name__ in MATRIX_PRODUCTS:
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            # addmm(bias, a, b): the first matrix is the second tensor
-            first = tensors[1] if func.overloadpacket.__name__ in ("addmm", "baddbmm", "addbmm") else tensors[0]
-            event = {"op": "compute", "rows": int(first.shape[-2]) if first.dim() > 1 else 1}
-            if self.tracker is not None:
-                event["gathers"] = sorted(self.tracker._tags(self.tracker.full, tensors))
-            self.events.append(event)
-        return func(*args, **(kwargs or {}))
+ComputeRecorder = MatrixProducts  # the name dtp.overlap.measure records FSDP2's products with
 
 
 def plain_events(events: list) -> list[dict]:
@@ -68,21 +40,15 @@ def zero3_prefetch_rank(rank, world_size, make, sizes, seed, batch_seed, steps: 
     outcome = {"losses": [], "pieces": [], "events": [], "gathered units": []}
     for inputs, targets in batches(sizes, batch_seed, world_size, steps):
         tracker = FullTensorTracker(unit_limit=GATHERED_UNITS_LIMIT)
-        with CommunicationLog() as log, tracker, ComputeRecorder(log.events, tracker):
-            log.mark("forward")
-            tracker.phase = "forward"
-            loss = nn.functional.mse_loss(module(inputs[rank_rows(rank)]), targets[rank_rows(rank)])
-            log.mark("backward")
-            tracker.phase = "backward"
-            loss.backward()
-            log.mark("step")
-            tracker.phase = "step"
+        with Timeline() as log, tracker, log.matrix_products(tracker):
+            loss = marked_step(log, tracker, lambda: nn.functional.mse_loss(module(inputs[rank_rows(rank)]),
+                                                                            targets[rank_rows(rank)]))
         optimizer.step()
         clear_gradients([], optimizer=optimizer)
         outcome["losses"].append(float(loss.detach()))
         outcome["pieces"].append([p.detach().clone().numpy() for p in module.parameters()])
-        outcome["events"].append(plain_events(log.events))
-        outcome["gathered units"].append({phase: tracker.unit_peaks.get(phase, 0) for phase in ("forward", "backward")})
+        outcome["events"].append(log.kept(KEEP))
+        outcome["gathered units"].append(gathered_units(tracker))
     return outcome
 
 
@@ -97,10 +63,10 @@ def collective_matmul_rank(rank, world_size, function, rows, hidden, columns, se
     w = torch.randn(hidden, columns * world_size, generator=generator)
     x_piece = x[rank * rows:(rank + 1) * rows].clone()
     w_piece = w[:, rank * columns:(rank + 1) * columns].clone()
-    with CommunicationLog() as log, ComputeRecorder(log.events):
+    with Timeline() as log, log.matrix_products():
         out = function(x_piece, w_piece)
     return {"out": out.detach().clone() if isinstance(out, torch.Tensor) else out,
-            "events": plain_events(log.events)}
+            "events": log.kept(KEEP)}
 
 
 def collective_matmul_oracle(world_size, rows, hidden, columns, seed) -> list:
@@ -128,14 +94,14 @@ def bucket_overlap_rank(rank, world_size, make, sizes, seed, batch_seed, bucket_
     inputs, targets = batches(sizes, batch_seed, world_size, 1)[0]
     ddp = make(model, buckets)
     loss = nn.functional.mse_loss(model(inputs[rank_rows(rank)]), targets[rank_rows(rank)])
-    with CommunicationLog() as log, ComputeRecorder(log.events):
+    with Timeline() as log, log.matrix_products():
         log.mark("backward")
         loss.backward()
         log.mark("backward done")
         ddp.finish()
         log.mark("finished")
     return {"grads": [p.grad.detach().clone() if p.grad is not None else None for p in parameters],
-            "events": plain_events(log.events)}
+            "events": log.kept(KEEP)}
 
 
 def full_batch_gradients(sizes, seed, batch_seed, world_size) -> list:

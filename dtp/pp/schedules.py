@@ -445,20 +445,20 @@ class SleepingStage(nn.Module):
     (0: no sleep). Its map is the identity (a weight matrix equal to I, so there is a gradient),
     and column 0 of every micro-batch holds the micro-batch's number, so each op it runs is
     logged as (kind, micro-batch, start, end) with perf_counter times, comparable across
-    processes. When `sequence` is a list, each op is also appended to it as {"op": "F" or "B",
-    "micro_batch": k} when it starts: given a CommunicationLog's `events`, one ordered record of
-    what the rank computed and communicated (the grader's logical clock replays it)."""
+    processes. Given a `timeline` (dtp.common.timeline.Timeline), each op is also put into it as
+    {"op": "F" or "B", "micro_batch": k} when it starts: one ordered record of what the rank
+    computed and communicated (the grader's logical clock replays it)."""
 
-    def __init__(self, width: int, forward_s: float, backward_s: float, sequence: list | None = None):
+    def __init__(self, width: int, forward_s: float, backward_s: float, timeline=None):
         super().__init__()
         self.weight = nn.Parameter(torch.eye(width))
         self.forward_s, self.backward_s = forward_s, backward_s
-        self.sequence = sequence
+        self.timeline = timeline
         self.log: list[tuple] = []
 
     def _ran(self, kind: str, micro_batch: int) -> None:
-        if self.sequence is not None:
-            self.sequence.append({"op": kind, "micro_batch": micro_batch})
+        if self.timeline is not None:
+            self.timeline.computed(kind, micro_batch=micro_batch)
 
     def forward(self, x):
         start = time.perf_counter()

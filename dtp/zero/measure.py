@@ -243,6 +243,10 @@ class FullTensorTracker(TorchDispatchMode):
             found |= refs.get(self._ref(tensor), frozenset())
         return found
 
+    def gathers_of(self, tensors) -> list[int]:
+        """The gathers (numbered from 1, in issue order) the values of `tensors` came from."""
+        return sorted(self._tags(self.full, tensors))
+
     def _is_full(self, tensor) -> bool:
         return isinstance(tensor, torch.Tensor) and self._ref(tensor) in self.full
 

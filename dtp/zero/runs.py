@@ -33,6 +33,55 @@ def _average_gradients(parameters) -> None:
         parameter.grad /= dist.get_world_size()
 
 
+def marked_step(log, tracker, loss_of, step=None, after_backward=None):
+    """One training step inside `log` (a CommunicationLog) and `tracker` (a FullTensorTracker),
+    each phase marked in both: "forward" (`loss_of()` computes the loss), "backward", "step".
+    Given `step`: `after_backward()` runs in phase "after backward" (to measure what is held
+    then), `step()` in phase "step", then a mark "end" and a sample "after step". Returns the loss."""
+    log.mark("forward")
+    tracker.phase = "forward"
+    loss = loss_of()
+    log.mark("backward")
+    tracker.phase = "backward"
+    loss.backward()
+    log.mark("step")
+    if step is None:
+        tracker.phase = "step"
+        return loss
+    tracker.phase = "after backward"
+    if after_backward is not None:
+        after_backward()
+    tracker.phase = "step"
+    step()
+    log.mark("end")
+    tracker.phase = "after step"
+    tracker.sample()
+    return loss
+
+
+def gathered_units(tracker) -> dict:
+    """The most units whose gathered weights were alive at once, in forward and in backward."""
+    return {phase: tracker.unit_peaks.get(phase, 0) for phase in ("forward", "backward")}
+
+
+def _record_step(outcome: dict, log, tracker, loss, full_after_backward: int) -> None:
+    """What every ZeRO run records per step: the loss, the collectives with the step's marks, the
+    full weights alive (peaks in forward and backward, after backward and after the step), and
+    the gathered units at once."""
+    outcome["full weights"].append({"forward": tracker.peaks.get("forward", 0),
+                                    "backward": tracker.peaks.get("backward", 0),
+                                    "after backward": full_after_backward, "after step": tracker.full_bytes_alive()})
+    outcome["gathered units"].append(gathered_units(tracker))
+    outcome["losses"].append(float(loss.detach()))
+    outcome["events"].append(log.kept(("op", "bytes", "label")))
+
+
+def _first_momentum(optimizers) -> float | None:
+    """Adam's first momentum after the first step, summed: (1 - beta1)·(the gradient it stepped with)."""
+    moments = [state["exp_avg"] for o in optimizers for state in o.state.values() if "exp_avg" in state]
+    return float(sum(m.abs().sum() for m in moments)) if moments else None
+
+
 def train_zero_rank(rank, world_size, stage, make, sizes, seed, batch_seed, steps: int = STEPS) -> dict:
     """One rank of a run of `tiny_mlp(sizes, seed)` on its rows of each batch, recording per step
     the loss, the weights after the step, the collectives (`events`), the bytes held after
@@ -73,35 +122,24 @@ def train_zero_rank(rank, world_size, stage, make, sizes, seed, batch_seed, step
                "grad peak": [], "full weights": [], "gathered units": [], "stale gradients": [], "exp_avg": None}
     for step, (inputs, targets) in enumerate(batches(sizes, batch_seed, world_size, steps)):
         tracker.new_step()
+        after_backward = {}
+
+        def measure_after_backward():
+            after_backward["full grads"] = tracker.grad_bytes_alive()
+            after_backward["full weights"] = tracker.full_bytes_alive()
+            after_backward["held"] = held_bytes(weights, **roots)
+
         with CommunicationLog() as log, tracker:
-            log.mark("forward")
-            tracker.phase = "forward"
-            loss = nn.functional.mse_loss(forward(inputs[rank_rows(rank)]), targets[rank_rows(rank)])
-            log.mark("backward")
-            tracker.phase = "backward"
-            loss.backward()
-            log.mark("step")
-            tracker.phase = "after backward"
-            outcome["full grads after backward"].append(tracker.grad_bytes_alive())
-            after_backward = tracker.full_bytes_alive()
-            outcome["held"].append(held_bytes(weights, **roots))
-            tracker.phase = "step"
-            step_function()
-            log.mark("end")
-            tracker.phase = "after step"
-            tracker.sample()
-        outcome["full weights"].append({"forward": tracker.peaks.get("forward", 0),
-                                        "backward": tracker.peaks.get("backward", 0),
-                                        "after backward": after_backward, "after step": tracker.full_bytes_alive()})
+            loss = marked_step(log, tracker, lambda: nn.functional.mse_loss(forward(inputs[rank_rows(rank)]),
+                                                                            targets[rank_rows(rank)]),
+                               step_function, measure_after_backward)
+        outcome["full grads after backward"].append(after_backward["full grads"])
+        outcome["held"].append(after_backward["held"])
+        _record_step(outcome, log, tracker, loss, after_backward["full weights"])
         outcome["grad peak"].append(tracker.grad_peaks.get("backward", 0))
-        outcome["gathered units"].append({phase: tracker.unit_peaks.get(phase, 0) for phase in ("forward", "backward")})
         outcome["stale gradients"].append(tracker.stale)
-        outcome["losses"].append(float(loss.detach()))
-        outcome["events"].append([{key: e[key] for key in ("op", "bytes", "label") if key in e} for e in log.events])
-        if step == 0:  # Adam's first momentum is (1 - beta1)·(the gradient it stepped with)
-            moments = [state["exp_avg"] for o in optimizers_in(**roots) for state in o.state.values()
-                       if "exp_avg" in state]
-            outcome["exp_avg"] = float(sum(m.abs().sum() for m in moments)) if moments else None
+        if step == 0:
+            outcome["exp_avg"] = _first_momentum(optimizers_in(**roots))
         outcome["states"].append([p.detach().clone().numpy() for p in weights] if stage == 3 else state_as_numpy(forward))
         clear_gradients(watched, **roots)  # as a training loop's zero_grad, the pieces' gradients too
     return outcome
@@ -183,31 +221,19 @@ def train_zero3_gpt_rank(rank, world_size, make, config, seed, batch_seed, steps
                "exp_avg": None}
     for step, tokens in enumerate(gpt_batches(config, batch_seed, world_size, steps)):
         tracker.new_step()
+        after_backward = {}
+
+        def measure_after_backward():
+            after_backward["full weights"] = tracker.full_bytes_alive()
+            after_backward["held"] = held_bytes(weights, **roots)
+
         with CommunicationLog() as log, tracker:
-            log.mark("forward")
-            tracker.phase = "forward"
-            loss = gpt_loss(module, tokens[gpt_rows(rank)])
-            log.mark("backward")
-            tracker.phase = "backward"
-            loss.backward()
-            log.mark("step")
-            tracker.phase = "after backward"
-            after_backward = tracker.full_bytes_alive()
-            outcome["held"].append(held_bytes(weights, **roots))
-            tracker.phase = "step"
-            optimizer.step()
-            log.mark("end")
-            tracker.phase = "after step"
-            tracker.sample()
-        outcome["full weights"].append({"forward": tracker.peaks.get("forward", 0),
-                                        "backward": tracker.peaks.get("backward", 0),
-                                        "after backward": after_backward, "after step": tracker.full_bytes_alive()})
-        outcome["gathered units"].append({phase: tracker.unit_peaks.get(phase, 0) for phase in ("forward", "backward")})
-        outcome["losses"].append(float(loss.detach()))
-        outcome["events"].append([{key: e[key] for key in ("op", "bytes", "label") if key in e} for e in log.events])
+            loss = marked_step(log, tracker, lambda: gpt_loss(module, tokens[gpt_rows(rank)]), optimizer.step,
+                               measure_after_backward)
+        outcome["held"].append(after_backward["held"])
+        _record_step(outcome, log, tracker, loss, after_backward["full weights"])
         if step == 0:
-            moments = [state["exp_avg"] for state in optimizer.state.values() if "exp_avg" in state]
-            outcome["exp_avg"] = float(sum(m.abs().sum() for m in moments)) if moments else None
+            outcome["exp_avg"] = _first_momentum([optimizer])
         outcome["states"].append([p.detach().clone().numpy() for p in weights])
         optimizer.zero_grad(set_to_none=True)
     return outcome

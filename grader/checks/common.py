@@ -50,6 +50,26 @@ def raise_world_failure(failure: dict | None) -> None:
                           f"with {failure['failed_world']} processes: {feedback}")
 
 
+class WorldsCheck(Check):
+    """A check that runs the learner's code in gloo worlds (`run_worlds` in `collect`): `judge`
+    judges each world that completed, in order (`judge_world(inputs of the world, its per-rank
+    outcomes)`, raising CheckFailed), then reports the world that failed, if any, and returns
+    `summary`, the pass line."""
+
+    runs_world = True
+    summary = ""
+
+    def judge_world(self, world, per_rank: list) -> None:
+        raise NotImplementedError
+
+    def judge(self, worlds, outcomes) -> str:
+        done, failure = completed_worlds(outcomes)
+        for world, per_rank in zip(worlds, done):
+            self.judge_world(world, per_rank)
+        raise_world_failure(failure)
+        return self.summary
+
+
 def events_as_data(log, payloads: bool = False) -> list[dict]:
     """A CommunicationLog's events as plain data (payload tensors as arrays when asked for)."""
     keep = ("op", "bytes", "peer", "root", "of", "label", "group")
@@ -131,6 +151,7 @@ class FormulaCheck(Check):
 
     function: str = ""
     rel: float = 1e-9
+    timeout_s = 15  # calls of a function of numbers
     summary: str = ""  # the pass line: what was verified, in the exercise's own terms
 
     @property

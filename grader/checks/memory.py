@@ -82,7 +82,6 @@ class ModelStates(FormulaCheck):
 
     function = "model_state_memory"
     references = ("dtp.memory.formulas.model_state_memory", "dtp.memory.formulas.bytes_per_parameter")
-    timeout_s = 15
     summary = (f"right for all {len(RECIPE_NAMES)} recipes "
                f"({', '.join(str(memory.bytes_per_parameter(r)) for r in RECIPE_NAMES)} bytes per parameter) "
                "in bytes, MB, GB, GiB, TB and TiB")
@@ -110,7 +109,6 @@ class ActivationMemory(FormulaCheck):
 
     function = "activation_bytes_per_layer"
     references = ("dtp.memory.formulas.activation_bytes_per_layer", "dtp.memory.formulas.activation_bytes")
-    timeout_s = 15
     summary = ("matches Korthikanti et al.'s table for no, selective and full recomputation, with and without "
                "sequence parallelism, on random shapes with head sizes from 64 to 256")
 

@@ -3,41 +3,16 @@ names the mistake (softmax without the running-max rescale, a ring that sends ke
 values, a ring that keeps every block it used, the causal mask forgotten between blocks, a zigzag that returns its chunks swapped, an
 all-gather where a ring or an all-to-all is asked for), and accepts correct answers written
 differently from the course's (isend/irecv instead of batch_isend_irecv)."""
-import nbformat
 
-from conftest import grade, solution_path
+from conftest import assert_fails, changed, graded, solution_cell
 
-SOLUTION = nbformat.read(solution_path("cp"), as_version=4)
-
-
-def cell_defining(name: str) -> str:
-    return next(cell.source for cell in SOLUTION.cells
-                if cell.cell_type == "code" and f"def {name}(" in cell.source)
-
-
-def changed(source: str, *replacements: tuple[str, str]) -> str:
-    for old, new in replacements:
-        assert old in source, old
-        source = source.replace(old, new)
-    return source
-
-
-def graded(tmp_notebook, exercise_id: str, replacements: dict):
-    return grade(tmp_notebook("cp", replacements), exercise_id)[exercise_id]
-
-
-def assert_fails(result, feedback: str):
-    assert result.status == "failed", result
-    assert feedback in result.feedback, result.feedback
-
-
-SOFTMAX_CELL = cell_defining("online_softmax_attention")
-RING_CELL = cell_defining("ring_attention")
-BACKWARD_CELL = cell_defining("ring_attention_backward")
-ZIGZAG_CELL = cell_defining("zigzag_ring_attention")
-ULYSSES_CELL = cell_defining("ulysses_attention")
-COSTS_CELL = cell_defining("ring_bytes_per_layer")
-INTERVIEW_CELL = cell_defining("interview_ulysses_degree")
+SOFTMAX_CELL = solution_cell("cp", "online_softmax_attention")
+RING_CELL = solution_cell("cp", "ring_attention")
+BACKWARD_CELL = solution_cell("cp", "ring_attention_backward")
+ZIGZAG_CELL = solution_cell("cp", "zigzag_ring_attention")
+ULYSSES_CELL = solution_cell("cp", "ulysses_attention")
+COSTS_CELL = solution_cell("cp", "ring_bytes_per_layer")
+INTERVIEW_CELL = solution_cell("cp", "interview_ulysses_degree")
 RING_STEP = ("handles = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (rank + 1) % c),\n"
              "                                              dist.P2POp(dist.irecv, incoming, (rank - 1) % c)])")
 

@@ -2,16 +2,7 @@
 names the mistake, and accepts correct answers written differently from the course's."""
 import pytest
 
-from conftest import grade
-
-
-def graded(tmp_notebook, exercise_id, replacements):
-    return grade(tmp_notebook("ep", replacements), exercise_id)[exercise_id]
-
-
-def assert_fails(result, feedback, status="failed"):
-    assert result.status == status and result.points == 0, result
-    assert feedback in result.feedback, result
+from conftest import assert_fails, assert_verdict, graded
 
 
 # --- exercise 1: the router ---
@@ -47,10 +38,7 @@ def router(**changes) -> str:
         "always-renormalised", "never-renormalised", "logits-as-weights"])
 def test_router(tmp_notebook, changes, feedback):
     result = graded(tmp_notebook, "ep.router", {"top_k_router": router(**changes)})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert_fails(result, feedback)
+    assert_verdict(result, feedback)
 
 
 ROUTER_MIXTRAL_IN_TORCH = '''
@@ -157,10 +145,7 @@ def assign_slots(expert_indices, num_experts, capacity):
 ], ids=["template-is-right", "token-major", "last-first", "capacity-plus-one", "no-drops", "global-counter", "list"])
 def test_slots(tmp_notebook, source, feedback):
     result = graded(tmp_notebook, "ep.slots", {"assign_slots": source})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert_fails(result, feedback)
+    assert_verdict(result, feedback)
 
 
 def test_slots_accepts_a_vectorised_cumulative_count(tmp_notebook):
@@ -219,10 +204,7 @@ def layer(**changes) -> str:
         "combined-in-the-wrong-order"])
 def test_moe_layer(tmp_notebook, changes, feedback):
     result = graded(tmp_notebook, "ep.moe_layer", {"moe_layer": layer(**changes)})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert_fails(result, feedback)
+    assert_verdict(result, feedback)
 
 
 LAYER_ONE_HOT_EINSUM = '''
@@ -285,10 +267,7 @@ def losses(**changes) -> str:
         "z-summed", "z-overflows", "z-max"])
 def test_balancing_losses(tmp_notebook, changes, feedback):
     result = graded(tmp_notebook, "ep.balancing_loss", {"load_balancing_loss": losses(**changes)})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert_fails(result, feedback)
+    assert_verdict(result, feedback)
 
 
 LOSSES_IN_NUMPY = '''
@@ -533,10 +512,7 @@ BYTES_RIGHT = dict(CAPACITY="4 * (world_size - 1) / world_size * num_experts * c
 def test_all_to_all_bytes(tmp_notebook, changes, feedback):
     source = BYTES_TEMPLATE.format(**{**BYTES_RIGHT, **changes})
     result = graded(tmp_notebook, "ep.all_to_all_bytes", {"capacity_all_to_all_bytes": source})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert_fails(result, feedback)
+    assert_verdict(result, feedback)
 
 
 def test_dropless_bytes_of_first_choices_only_are_rejected(tmp_notebook):
@@ -601,10 +577,7 @@ COPIED = dict(CAPACITY="160", GPUS="8192", COPIES="2")
 def test_interview(tmp_notebook, changes, feedback):
     source = INTERVIEW_CELL.format(**{**INTERVIEW_RIGHT, **changes})
     result = graded(tmp_notebook, "ep.interview", {"interview_capacity": source})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert_fails(result, feedback)
+    assert_verdict(result, feedback)
 
 
 def test_interview_refuses_the_course_parameter_count(tmp_notebook):

@@ -3,11 +3,13 @@ reject plausible wrong answers with feedback that names the mistake, and accept 
 written differently from the course's."""
 import pytest
 
-from conftest import grade
+from conftest import assert_verdict, graded
 
 
-def graded(tmp_notebook, exercise_id, replacements):
-    return grade(tmp_notebook("ep", replacements), exercise_id)[exercise_id]
+def variants(exercise_id: str, cases: list, ids: list) -> list:
+    """Parameters of test_template_variant: the exercise, and each case's (changes, feedback)."""
+    return [pytest.param(exercise_id, changes, feedback, id=f"{exercise_id}-{name}")
+            for (changes, feedback), name in zip(cases, ids, strict=True)]
 
 
 # --- exercise 7: auxiliary-loss-free balancing ---
@@ -30,11 +32,7 @@ def update_bias(bias, expert_indices, rate):
 BIAS_RIGHT = dict(CHOICE="probabilities + bias", GATES="probabilities", UPDATE="bias + rate * np.sign(loads.mean() - loads)")
 
 
-def bias_cell(**changes) -> str:
-    return BIAS_TEMPLATE.format(**{**BIAS_RIGHT, **changes})
-
-
-@pytest.mark.parametrize("changes, feedback", [
+BIAS_VARIANTS = variants("ep.bias_balancing", [
     (dict(), None),
     (dict(CHOICE="probabilities"), "the bias is ignored"),
     (dict(CHOICE="logits + bias"), "added to the logits"),
@@ -45,13 +43,6 @@ def bias_cell(**changes) -> str:
     (dict(UPDATE="rate * np.sign(loads.mean() - loads)"), "add it to the current bias"),
 ], ids=["template-is-right", "bias-ignored", "bias-on-logits", "bias-in-gates", "error-size-step", "reversed-sign",
         "mean-counted-as-underloaded", "step-only"])
-def test_bias_balancing(tmp_notebook, changes, feedback):
-    result = graded(tmp_notebook, "ep.bias_balancing", {"biased_router": bias_cell(**changes)})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert result.status == "failed" and result.points == 0, result
-        assert feedback in result.feedback, result
 
 
 BIAS_IN_TORCH = '''
@@ -101,7 +92,7 @@ SHARED_RIGHT = dict(TOTAL="(routed + shared) * 3 * hidden * expert_hidden + hidd
                     FLOPS="2 * moe_active_parameters(hidden, expert_hidden, routed, shared, k)")
 
 
-@pytest.mark.parametrize("changes, feedback", [
+SHARED_VARIANTS = variants("ep.shared_experts", [
     (dict(), None),
     (dict(TOTAL="(routed + shared) * (3 * hidden * expert_hidden + hidden)"), "the router scores only the routed"),
     (dict(ACTIVE="k * 3 * hidden * expert_hidden + hidden * routed"), "every shared expert besides its k routed"),
@@ -110,14 +101,6 @@ SHARED_RIGHT = dict(TOTAL="(routed + shared) * 3 * hidden * expert_hidden + hidd
     (dict(FLOPS="2 * moe_total_parameters(hidden, expert_hidden, routed, shared, k)"), "counts every expert's FLOPs"),
 ], ids=["template-is-right", "shared-in-router", "shared-left-out-of-active", "two-matrices", "flops-not-doubled",
         "flops-of-all-experts"])
-def test_shared_experts(tmp_notebook, changes, feedback):
-    result = graded(tmp_notebook, "ep.shared_experts",
-                    {"moe_total_parameters": SHARED_TEMPLATE.format(**{**SHARED_RIGHT, **changes})})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert result.status == "failed" and result.points == 0, result
-        assert feedback in result.feedback, result
 
 
 def test_shared_experts_refuses_numbers_copied_from_the_page(tmp_notebook):
@@ -157,39 +140,7 @@ NODE_RIGHT = dict(NODE_SCORE="by_node[:, :, -(k // max_nodes):].sum(axis=2)",
                   MASKED="np.where(np.repeat(kept, experts_per_node, axis=1), probabilities, -np.inf)",
                   CROSSING="sum(len(set((row // experts_per_node).tolist()) - {source_node}) for row in expert_indices)",
                   BOUND="max_nodes")
-# the slip the issue names: the top-k over all experts first, then its best M nodes, then k from those
-AFTER_TOP_K = '''
-def node_limited_router(logits, k, experts_per_node, max_nodes, renormalize):
-    probabilities = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probabilities = probabilities / probabilities.sum(axis=1, keepdims=True)
-    tokens, experts = probabilities.shape
-    chosen = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]
-    node_scores = np.zeros((tokens, experts // experts_per_node))
-    for t in range(tokens):
-        for e in chosen[t]:
-            node_scores[t, e // experts_per_node] += probabilities[t, e]
-    kept_nodes = np.argsort(-node_scores, axis=1, kind="stable")[:, :max_nodes]
-    masked = np.full_like(probabilities, -np.inf)
-    for t in range(tokens):
-        for n in kept_nodes[t]:
-            masked[t, n * experts_per_node:(n + 1) * experts_per_node] = probabilities[t, n * experts_per_node:(n + 1) * experts_per_node]
-    expert_indices = np.argsort(-masked, axis=1, kind="stable")[:, :k]
-    gate_weights = np.take_along_axis(probabilities, expert_indices, axis=1)
-    if renormalize:
-        gate_weights = gate_weights / gate_weights.sum(axis=1, keepdims=True)
-    return expert_indices, gate_weights
-
-
-def cross_node_bytes(expert_indices, experts_per_node, source_node, hidden, bytes_per_element):
-    return sum(len(set((row // experts_per_node).tolist()) - {source_node}) for row in expert_indices) * hidden * bytes_per_element
-
-
-def max_cross_node_bytes(tokens, k, max_nodes, hidden, bytes_per_element):
-    return tokens * max_nodes * hidden * bytes_per_element
-'''
-
-
-@pytest.mark.parametrize("changes, feedback", [
+NODE_VARIANTS = variants("ep.node_limited", [
     (dict(), None),
     (dict(MASKED="probabilities"), "the node limit is ignored"),
     (dict(NODE_SCORE="by_node[:, :, -1]"), "scored by their single best expert"),
@@ -197,21 +148,15 @@ def max_cross_node_bytes(tokens, k, max_nodes, hidden, bytes_per_element):
     (dict(CROSSING="sum(len(set((row // experts_per_node).tolist())) for row in expert_indices)"),
      "own node is reached without crossing"),
     (dict(BOUND="k"), "the bound without the limit"),
+    # the slip the issue names: the top-k over all experts first, its best M nodes (each scored by its
+    # experts among the k), then k experts from those nodes
+    (dict(NODE_SCORE="np.where(np.argsort(np.argsort(-probabilities, axis=1, kind='stable'), axis=1) < k, "
+                     "probabilities, 0.0).reshape(tokens, -1, experts_per_node).sum(axis=2)"),
+     "the limit is applied after the top-k"),
 ], ids=["template-is-right", "limit-ignored", "node-by-best-expert", "copy-per-expert", "own-node-counted",
-        "bound-per-expert"])
-def test_node_limited(tmp_notebook, changes, feedback):
-    result = graded(tmp_notebook, "ep.node_limited",
-                    {"node_limited_router": NODE_TEMPLATE.format(**{**NODE_RIGHT, **changes})})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert result.status == "failed" and result.points == 0, result
-        assert feedback in result.feedback, result
+        "bound-per-expert", "limit-after-top-k"])
 
 
-def test_node_limit_after_top_k_is_named(tmp_notebook):
-    result = graded(tmp_notebook, "ep.node_limited", {"node_limited_router": AFTER_TOP_K})
-    assert result.status == "failed" and "the limit is applied after the top-k" in result.feedback, result
 
 
 # --- exercise 10: EP beside TP with sequence parallelism (a gloo world of 4) ---
@@ -246,18 +191,28 @@ TP_EP_RIGHT = dict(TOKENS="x_sequence.chunk(tp)[tp_rank]",
                    FORMULA_TOKENS="seq_tokens // tp if sequence_parallel else seq_tokens")
 
 
-@pytest.mark.parametrize("changes, feedback", [
+
+TP_EP_VARIANTS = variants("ep.tp_ep", [
     (dict(), None),  # the list form of all_to_all: a correct alternative
     (dict(TOKENS="x_sequence"), "every TP rank dispatched the whole sequence"),
     (dict(FORMULA_TOKENS="seq_tokens"), "only its s/t tokens, so its capacity"),
 ], ids=["list-all-to-all-is-right", "whole-sequence-from-every-tp-rank", "formula-without-sp"])
-def test_tp_ep(tmp_notebook, changes, feedback):
-    result = graded(tmp_notebook, "ep.tp_ep", {"tp_ep_moe": TP_EP_TEMPLATE.format(**{**TP_EP_RIGHT, **changes})})
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert result.status == "failed" and result.points == 0, result
-        assert feedback in result.feedback, result
+
+
+# --- every exercise's template, with the changes above ---
+
+# exercise -> (the name its cell defines, the cell's template, the right code for each open place)
+TEMPLATES = {"ep.bias_balancing": ("biased_router", BIAS_TEMPLATE, BIAS_RIGHT),
+             "ep.shared_experts": ("moe_total_parameters", SHARED_TEMPLATE, SHARED_RIGHT),
+             "ep.node_limited": ("node_limited_router", NODE_TEMPLATE, NODE_RIGHT),
+             "ep.tp_ep": ("tp_ep_moe", TP_EP_TEMPLATE, TP_EP_RIGHT)}
+
+
+@pytest.mark.parametrize("exercise_id, changes, feedback", BIAS_VARIANTS + SHARED_VARIANTS + NODE_VARIANTS + TP_EP_VARIANTS)
+def test_template_variant(tmp_notebook, exercise_id, changes, feedback):
+    """The template as it is passes (changes {}); each change fails with the feedback that names it."""
+    name, template, right = TEMPLATES[exercise_id]
+    assert_verdict(graded(tmp_notebook, exercise_id, {name: template.format(**{**right, **changes})}), feedback)
 
 
 def test_every_bias_update_draw_separates_the_sign_from_the_size_of_the_error():

@@ -9,77 +9,75 @@ import uuid
 
 import pytest
 
-from conftest import grade, grader_cli, live_processes_with_marker, solution_path
+from conftest import grade, graded, grader_cli, live_processes_with_marker, solution_path
 from grader import landlock
 
 WRONG_BUS_BANDWIDTH = "def bus_bandwidth(size_bytes, time_s, n):\n    return size_bytes / time_s\n"
 
 
-def test_patching_numpys_comparisons_at_definition_time_changes_nothing(tmp_notebook):
-    path = tmp_notebook("dp", {"bus_bandwidth": (
+def graded_bus_bandwidth(tmp_notebook, cell: str):
+    """dp.bus_bandwidth graded with `cell` as the notebook's cell that defines bus_bandwidth."""
+    return graded(tmp_notebook, "dp.bus_bandwidth", {"bus_bandwidth": cell})
+
+
+# Code that runs while the definitions load, inside the sandbox, before a wrong bus_bandwidth.
+LOAD_TIME_ATTACKS = {
+    "numpys-comparisons-patched": (
         "import numpy as np\n"
         "np.allclose = np.isclose = lambda *args, **kwargs: True\n"
-        "np.testing.assert_allclose = lambda *args, **kwargs: None\n" + WRONG_BUS_BANDWIDTH)})
-    result = grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"]
-    assert result.status == "failed" and result.points == 0
-
-
-def test_replacing_the_registered_checks_from_a_class_body_changes_nothing(tmp_notebook):
-    """A class body runs while the definitions load, inside the sandbox: the verdict is not there."""
-    path = tmp_notebook("dp", {"bus_bandwidth": (
+        "np.testing.assert_allclose = lambda *args, **kwargs: None\n"),
+    # a class body runs while the definitions load: the verdict is not there
+    "registered-checks-replaced-from-a-class-body": (
         "class Takeover:\n"
         "    import grader.registry, grader.compare, grader.grading\n"
         "    for exercise in grader.registry._EXERCISES.values():\n"
         "        exercise.check.judge = lambda *args: 'passed'\n"
         "        exercise.check.prepare = lambda *args: []\n"
         "    grader.compare.expect_answer = lambda *args, **kwargs: None\n"
-        "    grader.grading.judge = lambda *args: ('passed', 'ok')\n" + WRONG_BUS_BANDWIDTH)})
-    result = grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"]
-    assert result.status == "failed" and result.points == 0
-
-
-def test_forged_collect_data_is_judged_against_inputs_it_did_not_choose(tmp_notebook):
-    path = tmp_notebook("dp", {"bus_bandwidth": (
+        "    grader.grading.judge = lambda *args: ('passed', 'ok')\n"),
+    # forged collect data is judged against inputs it did not choose
+    "collect-forged": (
         "class Forge:\n"
         "    import grader.registry\n"
-        "    grader.registry._EXERCISES['dp.bus_bandwidth'].check.collect = lambda self, s, cases: [1.0] * 5\n"
-        + WRONG_BUS_BANDWIDTH)})
-    result = grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"]
+        "    grader.registry._EXERCISES['dp.bus_bandwidth'].check.collect = lambda self, s, cases: [1.0] * 5\n"),
+}
+
+
+@pytest.mark.parametrize("attack", LOAD_TIME_ATTACKS)
+def test_code_run_while_the_definitions_load_changes_nothing(tmp_notebook, attack):
+    result = graded_bus_bandwidth(tmp_notebook, LOAD_TIME_ATTACKS[attack] + WRONG_BUS_BANDWIDTH)
     assert result.status == "failed" and result.points == 0
 
 
 def test_a_forged_pickle_cannot_run_code_in_the_grader(tmp_notebook, tmp_path):
     """The sandbox's bytes are read with a whitelist: a __reduce__ payload is refused, not run."""
     witness = tmp_path / "ran_in_the_grader"
-    path = tmp_notebook("dp", {"bus_bandwidth": (
+    result = graded_bus_bandwidth(tmp_notebook, (
         "import os\n"
         "class Payload:\n"
         f"    def __reduce__(self):\n        return (os.system, ('touch {witness}',))\n"
         "def bus_bandwidth(size_bytes, time_s, n):\n"
-        "    return Payload()\n")})
-    result = grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"]
+        "    return Payload()\n"))
     assert result.status == "failed" and not witness.exists()
 
 
 def test_the_courses_closed_forms_are_not_an_answer(tmp_notebook):
-    path = tmp_notebook("dp", {"bus_bandwidth": (
+    result = graded_bus_bandwidth(tmp_notebook, (
         "from dtp.dp import costs\n"
         "def bus_bandwidth(size_bytes, time_s, n):\n"
         "    try:\n"
         "        return costs.bus_bandwidth(size_bytes, time_s, n)\n"
         "    except Exception:\n"
-        "        return 0.0\n")})
-    result = grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"]
+        "        return 0.0\n"))
     assert result.status == "failed" and "uses the course's reference" in result.feedback
 
 
 def test_the_solution_notebook_is_not_an_answer(tmp_notebook):
-    path = tmp_notebook("dp", {"bus_bandwidth": (
+    result = graded_bus_bandwidth(tmp_notebook, (
         "from grader.student import StudentCode\n"
         f"SOLUTION = {str(solution_path('dp'))!r}\n"
         "def bus_bandwidth(size_bytes, time_s, n):\n"
-        "    return StudentCode.from_notebook(SOLUTION).bus_bandwidth(size_bytes, time_s, n)\n")})
-    result = grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"]
+        "    return StudentCode.from_notebook(SOLUTION).bus_bandwidth(size_bytes, time_s, n)\n"))
     assert result.status == "failed" and "solution notebook" in result.feedback
 
 
@@ -168,37 +166,37 @@ def _assert_no_points(result, *fragments):
 
 @needs_landlock
 def test_a_child_python_cannot_import_the_courses_closed_form(tmp_notebook):
-    path = tmp_notebook("dp", {"bus_bandwidth": (
+    result = graded_bus_bandwidth(tmp_notebook, (
         "import subprocess, sys\n"
         "def bus_bandwidth(size_bytes, time_s, n):\n"
         "    program = f'from dtp.dp.costs import bus_bandwidth; print(bus_bandwidth({size_bytes!r}, {time_s!r}, {n!r}))'\n"
         "    done = subprocess.run([sys.executable, '-c', program], capture_output=True, text=True, check=True)\n"
-        "    return float(done.stdout)\n")})
-    _assert_no_points(grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"], "CalledProcessError")
+        "    return float(done.stdout)\n"))
+    _assert_no_points(result, "CalledProcessError")
 
 
 @needs_landlock
 def test_a_shell_cannot_cat_the_solution_notebook(tmp_notebook):
-    path = tmp_notebook("dp", {"bus_bandwidth": (
+    result = graded_bus_bandwidth(tmp_notebook, (
         "import json, subprocess\n" + CELL_FROM_NOTEBOOK +
         "def bus_bandwidth(size_bytes, time_s, n):\n"
         f"    text = subprocess.run(['sh', '-c', 'cat {SOLUTION_FOLDER_GLOB}'], capture_output=True, text=True).stdout\n"
-        "    return _exec_cell_defining('bus_bandwidth', text)(size_bytes, time_s, n)\n")})
-    _assert_no_points(grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"], "JSONDecodeError")
+        "    return _exec_cell_defining('bus_bandwidth', text)(size_bytes, time_s, n)\n"))
+    _assert_no_points(result, "JSONDecodeError")
 
 
 @needs_landlock
 def test_os_open_with_a_dir_fd_cannot_read_the_solution_notebook(tmp_notebook):
     """The audit hook sees only the relative name; Landlock checks the file itself."""
     checkout = str(solution_path("dp").parent.parent)
-    path = tmp_notebook("dp", {"bus_bandwidth": (
+    result = graded_bus_bandwidth(tmp_notebook, (
         "import json, os\n" + CELL_FROM_NOTEBOOK +
         "def bus_bandwidth(size_bytes, time_s, n):\n"
         f"    folder = os.open({checkout!r}, os.O_RDONLY)\n"
         f"    fd = os.open('solutions/{solution_path('dp').name}', os.O_RDONLY, dir_fd=folder)\n"
         "    with os.fdopen(fd) as notebook:\n"
-        "        return _exec_cell_defining('bus_bandwidth', notebook.read())(size_bytes, time_s, n)\n")})
-    _assert_no_points(grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"], "PermissionError", "not the solutions")
+        "        return _exec_cell_defining('bus_bandwidth', notebook.read())(size_bytes, time_s, n)\n"))
+    _assert_no_points(result, "PermissionError", "not the solutions")
 
 
 @needs_landlock
@@ -206,12 +204,12 @@ def test_a_solution_cell_read_by_a_child_python_cannot_be_executed(tmp_notebook)
     """The child names the folder by a glob (the audit hook looks for 'solutions' in the
     arguments) and prints the notebook for the sandbox to execute its cell."""
     reader = f"import glob, sys; sys.stdout.write(open(glob.glob({SOLUTION_FOLDER_GLOB!r})[0]).read())"
-    path = tmp_notebook("dp", {"bus_bandwidth": (
+    result = graded_bus_bandwidth(tmp_notebook, (
         "import json, subprocess, sys\n" + CELL_FROM_NOTEBOOK +
         "def bus_bandwidth(size_bytes, time_s, n):\n"
         f"    text = subprocess.run([sys.executable, '-c', {reader!r}], capture_output=True, text=True).stdout\n"
-        "    return _exec_cell_defining('bus_bandwidth', text)(size_bytes, time_s, n)\n")})
-    _assert_no_points(grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"], "JSONDecodeError")
+        "    return _exec_cell_defining('bus_bandwidth', text)(size_bytes, time_s, n)\n"))
+    _assert_no_points(result, "JSONDecodeError")
 
 
 STACK_WALK = '''
@@ -254,9 +252,9 @@ STACK_WALK_ATTEMPTS = {
 
 @pytest.mark.parametrize("attempt", STACK_WALK_ATTEMPTS)
 def test_the_check_found_on_the_stack_has_no_judge_or_oracle_in_the_sandbox(tmp_notebook, attempt):
-    path = tmp_notebook("dp", {"bus_bandwidth": (
-        STACK_WALK + "def bus_bandwidth(size_bytes, time_s, n):\n" + STACK_WALK_ATTEMPTS[attempt])})
-    _assert_no_points(grade(path, "dp.bus_bandwidth")["dp.bus_bandwidth"], "calls the grader's", "never runs beside your code")
+    result = graded_bus_bandwidth(tmp_notebook, (
+        STACK_WALK + "def bus_bandwidth(size_bytes, time_s, n):\n" + STACK_WALK_ATTEMPTS[attempt]))
+    _assert_no_points(result, "calls the grader's", "never runs beside your code")
 
 
 def test_no_course_module_a_check_names_in_references_is_readable():

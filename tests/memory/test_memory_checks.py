@@ -1,7 +1,7 @@
 """Every check of the memory chapter rejects plausible wrong answers, naming the mistake."""
 import pytest
 
-from conftest import grade
+from conftest import assert_verdict, grade
 
 PARAM_COUNT = '''
 def gpt_parameter_count(config):
@@ -142,10 +142,7 @@ RIGHT_TIME = dict(DAYS="6 * n_params * n_tokens / (n_gpus * peak_flops_per_gpu *
 def test_training_time(tmp_notebook, changes, feedback):
     source = TIME.format(**{**RIGHT_TIME, **changes})
     result = grade(tmp_notebook("memory", {"training_days": source}), "memory.training_time")["memory.training_time"]
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert result.status == "failed" and feedback in result.feedback, result
+    assert_verdict(result, feedback)
 
 
 INTERVIEW = """
@@ -183,10 +180,7 @@ def graded_interview(tmp_notebook, **changes):
         "seconds"])
 def test_interview(tmp_notebook, changes, feedback):
     result = graded_interview(tmp_notebook, **changes)
-    if feedback is None:
-        assert result.status == "passed", result
-    else:
-        assert result.status == "failed" and feedback in result.feedback, result
+    assert_verdict(result, feedback)
 
 
 @pytest.mark.parametrize("changes", [

@@ -2,40 +2,15 @@
 mistake, and accepts correct answers written differently from the course's (prefetch from hooks
 instead of an explicit loop, batch_isend_irecv instead of isend/irecv, a table-free DDP
 simulation)."""
-import nbformat
 import pytest
 
-from conftest import grade, solution_path
+from conftest import assert_fails, changed, graded, solution_cell
 
-SOLUTION = nbformat.read(solution_path("overlap"), as_version=4)
-
-
-def cell_defining(name: str) -> str:
-    return next(cell.source for cell in SOLUTION.cells
-                if cell.cell_type == "code" and (f"class {name}" in cell.source or f"def {name}(" in cell.source))
-
-
-def changed(source: str, *replacements: tuple[str, str]) -> str:
-    for old, new in replacements:
-        assert old in source, old
-        source = source.replace(old, new)
-    return source
-
-
-def graded(tmp_notebook, exercise_id: str, replacements: dict):
-    return grade(tmp_notebook("overlap", replacements), exercise_id)[exercise_id]
-
-
-def assert_fails(result, feedback: str):
-    assert result.status == "failed", result
-    assert feedback in result.feedback, result.feedback
-
-
-MODEL_CELL = cell_defining("ddp_exposed_time")
-ZERO3_CELL = cell_defining("PrefetchZeRO3Module")
-RING_CELL = cell_defining("collective_matmul")
-DDP_CELL = cell_defining("OverlappingDDP")
-INTERVIEW_CELL = cell_defining("interview_ddp_exposed_ms")
+MODEL_CELL = solution_cell("overlap", "ddp_exposed_time")
+ZERO3_CELL = solution_cell("overlap", "PrefetchZeRO3Module")
+RING_CELL = solution_cell("overlap", "collective_matmul")
+DDP_CELL = solution_cell("overlap", "OverlappingDDP")
+INTERVIEW_CELL = solution_cell("overlap", "interview_ddp_exposed_ms")
 
 
 # --- exercise 1: the exposure model ---

@@ -3,18 +3,9 @@ course's functions refused, every check registered with its points."""
 import numpy as np
 import pytest
 
-from conftest import grade
+from conftest import assert_fails, graded
 from dtp.pp import schedules as pipeline
 from grader.checks import pp
-
-
-def graded(tmp_notebook, exercise, replacements):
-    return grade(tmp_notebook("pp", replacements), exercise)[exercise]
-
-
-def assert_fails(result, *feedback):
-    assert result.status == "failed", result
-    assert any(text in result.feedback for text in feedback), result.feedback
 
 
 # --- interview ---

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import grade, notebook_variant, solution_path, spinning_processes
 from dtp.common.world import run_world
+from one_f_one_b_steps import step
 
 
 @pytest.fixture
@@ -23,74 +24,20 @@ def test_the_measured_bubble_check_passes_while_every_core_is_busy(busy_machine)
     assert result.status == "passed", result
 
 
-# Exercise 4's solution with one change each: a stage that waits for a message before an op that
+# Exercise 4's solution (tests/pp/one_f_one_b_steps.py) with one change each: a stage that waits for a message before an op that
 # does not compute on it. Both run to the end and compute the right gradients (pp.pipeline_1f1b
 # passes them); only their timelines are longer than 1F1B's.
-NEEDLESS_WAIT_STEP = '''
-def one_f_one_b_step(stage, batch, targets, n_micro_batches, boundary_shape):
-    rank, p, m = dist.get_rank(), dist.get_world_size(), n_micro_batches
-    first, last = rank == 0, rank == p - 1
-    inputs, labels = batch.tensor_split(m), targets.tensor_split(m)
-    held, sending, loss = deque(), [], 0.0
-
-    def forward(k):
-        nonlocal loss
-        if first:
-            x = inputs[k]
-        else:
-            x = torch.empty(boundary_shape)
-            dist.recv(x, rank - 1)
-            x.requires_grad_()
-        y = stage(x)
-        if last:
-            y = nn.functional.mse_loss(y, labels[k]) / m
-            loss += y.item()
-        else:
-            sending.append(dist.isend(y.detach(), rank + 1))
-        held.append((x, y))
-
-    def receive_gradient():
-        gradient = torch.empty(boundary_shape)
-        if not last:
-            dist.recv(gradient, rank + 1)
-        return gradient
-
-    def backward(gradient):
-        x, y = held.popleft()
-        if last:
-            y.backward()
-        else:
-            y.backward(gradient)
-        if not first:
-            sending.append(dist.isend(x.grad, rank - 1))
-
-    warm_up = min(p - rank - 1, m)
-    for k in range(warm_up):
-        forward(k)
-    for k in range(warm_up, m):
-        {STEADY}
-    {COOL_DOWN}
-    for request in sending:
-        request.wait()
-    return loss if last else None
-'''
-STEADY_RIGHT = "forward(k)\n        backward(receive_gradient())"
-COOL_DOWN_RIGHT = "for _ in range(warm_up):\n        backward(receive_gradient())"
-
-
 @pytest.mark.parametrize("changes, feedback", [
     # The gradient for the steady state's backward received (blocking) before the forward that precedes it.
-    (dict(STEADY="gradient = receive_gradient()\n        forward(k)\n        backward(gradient)", COOL_DOWN=COOL_DOWN_RIGHT),
+    (dict(STEADY="gradient = receive_gradient()\n        forward(k)\n        backward(gradient)"),
      "on its receive of gradient message 1 from rank 1, before its next forward, which does not need it"),
     # Every gradient of the cool-down received before its first backward: the stage idles until the next
     # stage has finished its whole step.
-    (dict(STEADY=STEADY_RIGHT, COOL_DOWN="for gradient in [receive_gradient() for _ in range(warm_up)]:\n"
-                                         "        backward(gradient)"),
+    (dict(COOL_DOWN="for gradient in [receive_gradient() for _ in range(warm_up)]:\n        backward(gradient)"),
      "before its next backward, which does not need it"),
 ], ids=["gradient-before-forward", "cool-down-gradients-received-first"])
 def test_a_step_that_waits_needlessly_is_refused_on_a_busy_machine_too(tmp_path, busy_machine, changes, feedback):
-    source = NEEDLESS_WAIT_STEP.replace("{STEADY}", changes["STEADY"]).replace("{COOL_DOWN}", changes["COOL_DOWN"])
-    notebook = notebook_variant(tmp_path, "pp", {"one_f_one_b_step": source})
+    notebook = notebook_variant(tmp_path, "pp", {"one_f_one_b_step": step(**changes)})
     for _ in range(2):  # the same verdict and diagnosis each time
         result = grade(notebook, "pp.measured_bubble", "pp.pipeline_1f1b")
         assert result["pp.pipeline_1f1b"].status == "passed", result  # the step itself is right
@@ -121,7 +68,7 @@ def _send_then_late_receive(rank, world_size, nbytes):
 
 @pytest.mark.parametrize("nbytes", [32, 1 << 20])
 def test_a_gloo_send_completes_only_once_its_receive_is_posted(nbytes):
-    """What the logical clock models (grader/checks/pp/measured_bubble.py, `replay`): waiting on
+    """What the logical clock models (dtp.common.timeline.replay): waiting on
     a gloo send's handle lasts until the receiver posts its recv, however small the message."""
     _, completed_before_receive = run_world(_send_then_late_receive, 2, (nbytes,))
     assert completed_before_receive is False

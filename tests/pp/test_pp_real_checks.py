@@ -3,73 +3,14 @@ bubble; the checks reject plausible wrong pipelines and measurements with feedba
 mistake, and accept correct ones written differently from the course's."""
 import pytest
 
-from conftest import grade
+from conftest import assert_fails, graded
 from dtp.pp import schedules as pipeline
 from grader.checks import pp
 from grader.compare import CheckFailed
-
-
-def graded(tmp_notebook, exercise, replacements):
-    return grade(tmp_notebook("pp", replacements), exercise)[exercise]
-
-
-def assert_fails(result, *feedback):
-    assert result.status == "failed", result
-    assert any(text in result.feedback for text in feedback), result.feedback
+from one_f_one_b_steps import step
 
 
 # --- exercise 4: the real pipeline ---
-
-STEP_TEMPLATE = '''
-def one_f_one_b_step(stage, batch, targets, n_micro_batches, boundary_shape):
-    rank, p, m = dist.get_rank(), dist.get_world_size(), n_micro_batches
-    first, last = rank == 0, rank == p - 1
-    inputs, labels = batch.tensor_split(m), targets.tensor_split(m)
-    held, sending, loss = deque(), [], 0.0
-    def forward(k):
-        nonlocal loss
-        if first:
-            x = inputs[k]
-        else:
-            x = torch.empty(boundary_shape)
-            dist.recv(x, rank - 1)
-            x.requires_grad_()
-        y = stage(x)
-        if last:
-            y = nn.functional.mse_loss(y, labels[k]){SCALE}
-            loss += y.item()
-        else:
-            sending.append(dist.isend(y.detach(), rank + 1))
-        held.append((x, y))
-    def backward():
-        x, y = held.{POP}()
-        if last:
-            y.backward()
-        else:
-            gradient = torch.empty(boundary_shape)
-            dist.recv(gradient, rank + 1)
-            y.backward(gradient)
-        if not first:
-            sending.append(dist.isend(x.grad, rank - 1))
-    warm_up = {WARM_UP}
-    for k in range(warm_up):
-        forward(k)
-    for k in range(warm_up, m):
-        forward(k)
-        backward()
-    for _ in range(warm_up):
-        backward()
-    for request in sending:
-        request.wait()
-    {END}
-    return {RESULT}
-'''
-STEP_RIGHT = dict(SCALE=" / m", POP="popleft", WARM_UP="min(p - rank - 1, m)", END="", RESULT="loss if last else None")
-
-
-def step(**changes) -> str:
-    return STEP_TEMPLATE.format(**{**STEP_RIGHT, **changes})
-
 
 STEP_WHOLE_BATCH = '''
 def one_f_one_b_step(stage, batch, targets, n_micro_batches, boundary_shape):

@@ -3,18 +3,9 @@ feedback that names the mistake, and accept correct orders written differently f
 import numpy as np
 import pytest
 
-from conftest import grade
+from conftest import assert_fails, graded
 from grader.checks import pp
 from grader.compare import CheckFailed
-
-
-def graded(tmp_notebook, exercise, replacements):
-    return grade(tmp_notebook("pp", replacements), exercise)[exercise]
-
-
-def assert_fails(result, *feedback):
-    assert result.status == "failed", result
-    assert any(text in result.feedback for text in feedback), result.feedback
 
 
 # --- exercise 1: schedules ---

@@ -3,16 +3,7 @@ plausible wrong answers with feedback that names the mistake, and accept correct
 differently from the course's."""
 import pytest
 
-from conftest import grade
-
-
-def graded(tmp_notebook, exercise, replacements):
-    return grade(tmp_notebook("pp", replacements), exercise)[exercise]
-
-
-def assert_fails(result, *feedback):
-    assert result.status == "failed", result
-    assert any(text in result.feedback for text in feedback), result.feedback
+from conftest import assert_fails, graded
 
 
 # --- exercise 2: the simulator ---

@@ -5,32 +5,11 @@ import functools
 import nbformat
 import pytest
 
-from conftest import grade, solution_path
-
-
-def solution_cell(name: str) -> str:
-    """The source of the solution notebook's cell that defines `name`."""
-    for cell in nbformat.read(solution_path("topology"), as_version=4).cells:
-        if cell.cell_type == "code" and (f"def {name}(" in cell.source or f"class {name}(" in cell.source):
-            return cell.source
-    raise KeyError(name)
+from conftest import assert_fails, changed, graded, solution_cell, solution_path
 
 
 def variant(name: str, old: str, new: str) -> str:
-    source = solution_cell(name)
-    assert old in source, old
-    return source.replace(old, new)
-
-
-def graded(tmp_notebook, exercise_id, replacements):
-    return grade(tmp_notebook("topology", replacements), exercise_id)[exercise_id]
-
-
-def assert_fails(result, feedback, status="failed"):
-    """`feedback`: the text the feedback must hold, or a tuple of texts any of which will do (where
-    the random draw decides which of two right diagnoses comes first)."""
-    assert result.status == status and result.points == 0, result
-    assert any(text in result.feedback for text in ((feedback,) if isinstance(feedback, str) else feedback)), result
+    return changed(solution_cell("topology", name), (old, new))
 
 
 # --- exercise 1: coordinates, groups, mesh arguments ---
@@ -256,7 +235,7 @@ def test_planner_rejects(tmp_notebook, old, new, feedback):
     assert_fails(graded(tmp_notebook, "topology.planner", {PLANNER: source}), feedback)
 
 
-PLANNER_EP_MULTIPLIED = solution_cell(PLANNER) + '''
+PLANNER_EP_MULTIPLIED = solution_cell("topology", PLANNER) + '''
 
 _right_plan = plan_layouts
 
@@ -277,7 +256,7 @@ def test_planner_rejects_ep_multiplied_into_the_world(tmp_notebook):
     assert_fails(graded(tmp_notebook, "topology.planner", {PLANNER: PLANNER_EP_MULTIPLIED}), "EP is carved out of DP")
 
 
-PLANNER_WITH_PRODUCT_AND_TIE_BREAK = solution_cell(PLANNER) + '''
+PLANNER_WITH_PRODUCT_AND_TIE_BREAK = solution_cell("topology", PLANNER) + '''
 
 import itertools as _itertools
 

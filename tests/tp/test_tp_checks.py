@@ -2,17 +2,7 @@
 names the mistake, and accepts correct answers written differently from the course's."""
 import pytest
 
-from conftest import grade
-
-
-def verdict(tmp_notebook, replacements: dict, exercise_id: str, extra_cells=()):
-    return grade(tmp_notebook("tp", replacements, extra_cells), exercise_id)[exercise_id]
-
-
-def assert_rejected(result, feedback: str, status: str = "failed"):
-    assert result.status == status, result
-    assert feedback in result.feedback, result.feedback
-    assert result.points == 0
+from conftest import assert_fails, grade, graded
 
 
 # --- exercise 1: the numpy MLP ---
@@ -67,14 +57,14 @@ def tensor_parallel_mlp_numpy(x, w1, b1, w2, b2, t):
 ], ids=["relu-as-in-the-notes", "b2-in-every-partial", "b2-added-t-times", "w1-split-by-rows", "w2-split-by-columns",
         "dense-with-fake-partials", "float32", "tanh-gelu"])
 def test_mlp_numpy_rejects(tmp_notebook, source, feedback):
-    assert_rejected(verdict(tmp_notebook, {"tensor_parallel_mlp_numpy": source}, "tp.mlp_numpy"), feedback)
+    assert_fails(graded(tmp_notebook, "tp.mlp_numpy", {"tensor_parallel_mlp_numpy": source}), feedback)
 
 
 def test_mlp_numpy_b2_in_the_partial_sums_never_says_t_1_times(tmp_notebook):
     # the first case has t = 1, where y comes out right and the sum adds b2 once
     source = mlp(PARTIAL="gelu_numpy(x @ a + b) @ rows + b2", Y="np.sum(partial_sums, axis=0)")
-    result = verdict(tmp_notebook, {"tensor_parallel_mlp_numpy": source}, "tp.mlp_numpy")
-    assert_rejected(result, "t=1, ")
+    result = graded(tmp_notebook, "tp.mlp_numpy", {"tensor_parallel_mlp_numpy": source})
+    assert_fails(result, "t=1, ")
     assert "b2 is not part of it" in result.feedback and "t = 1 times" not in result.feedback
 
 
@@ -90,7 +80,7 @@ def tensor_parallel_mlp_numpy(x, w1, b1, w2, b2, t):
 
 @pytest.mark.parametrize("source", [mlp(), MLP_SLICES_AND_A_TUPLE], ids=["np.split", "slices-and-a-tuple"])
 def test_mlp_numpy_accepts(tmp_notebook, source):
-    assert verdict(tmp_notebook, {"tensor_parallel_mlp_numpy": source}, "tp.mlp_numpy").status == "passed"
+    assert graded(tmp_notebook, "tp.mlp_numpy", {"tensor_parallel_mlp_numpy": source}).status == "passed"
 
 
 # --- exercise 2: f and g ---
@@ -158,7 +148,7 @@ def reduce_from_tensor_parallel(x):
 ], ids=["swapped", "f-backward-identity", "f-backward-average", "g-from-torch.distributed.nn", "g-forward-identity",
         "extra-all-reduce-in-f-forward", "f-detaches", "g-forward-in-place", "f-backward-in-place"])
 def test_f_and_g_rejects(tmp_notebook, source, feedback):
-    assert_rejected(verdict(tmp_notebook, {"CopyToTensorParallel": source}, "tp.f_and_g"), feedback)
+    assert_fails(graded(tmp_notebook, "tp.f_and_g", {"CopyToTensorParallel": source}), feedback)
 
 
 HOOK_F_AND_G = '''
@@ -195,7 +185,7 @@ G_AS_REDUCE_SCATTER_AND_ALL_GATHER = f_and_g(G_FORWARD='''n = dist.get_world_siz
 @pytest.mark.parametrize("source", [f_and_g(), F_AND_G_WITH_HOOKS, G_AS_REDUCE_SCATTER_AND_ALL_GATHER],
                          ids=["autograd.Function", "hook-and-straight-through", "reduce-scatter+all-gather"])
 def test_f_and_g_accepts(tmp_notebook, source):
-    assert verdict(tmp_notebook, {"CopyToTensorParallel": source}, "tp.f_and_g").status == "passed"
+    assert graded(tmp_notebook, "tp.f_and_g", {"CopyToTensorParallel": source}).status == "passed"
 
 
 # --- exercise 3: column- and row-parallel linear layers ---
@@ -259,7 +249,7 @@ COLUMN_WITH_THE_WHOLE_WEIGHT = linears(COLUMN_WEIGHT="dense.weight.detach().clon
 ], ids=["bias-on-every-rank", "bias-divided-by-t", "bias-gradient-averaged-over-rows", "bias-on-rank-0-only", "no-f", "w2-split-by-columns",
         "all-gather-and-local-sum", "whole-weight-on-every-rank"])
 def test_parallel_linear_rejects(tmp_notebook, source, feedback):
-    assert_rejected(verdict(tmp_notebook, {"ColumnParallelLinear": source}, "tp.parallel_linear"), feedback)
+    assert_fails(graded(tmp_notebook, "tp.parallel_linear", {"ColumnParallelLinear": source}), feedback)
 
 
 LINEAR_TRANSPOSED_WITH_HOOKS = '''
@@ -295,7 +285,7 @@ class RowParallelLinear(nn.Module):
     {"CopyToTensorParallel": G_AS_REDUCE_SCATTER_AND_ALL_GATHER},
 ], ids=["nn.Linear-layout", "A-layout-with-hooks", "g-as-reduce-scatter+all-gather"])
 def test_parallel_linear_accepts(tmp_notebook, replacements):
-    result = verdict(tmp_notebook, replacements, "tp.parallel_linear")
+    result = graded(tmp_notebook, "tp.parallel_linear", replacements)
     assert result.status == "passed", result
 
 
@@ -348,8 +338,8 @@ def shard_of(tensor, dim):
 
 
 def test_parallel_linear_rejects_shards_cut_by_chunk(tmp_notebook):
-    result = verdict(tmp_notebook, {"shard_of": SHARDS_BY_CHUNK}, "tp.parallel_linear")
-    assert_rejected(result, "that is torch.chunk's piece")
+    result = graded(tmp_notebook, "tp.parallel_linear", {"shard_of": SHARDS_BY_CHUNK})
+    assert_fails(result, "that is torch.chunk's piece")
 
 
 def test_parallel_linear_draws_a_width_where_chunk_and_tensor_split_differ_in_every_grading():
@@ -369,8 +359,8 @@ def test_parallel_linear_draws_a_width_where_chunk_and_tensor_split_differ_in_ev
 
 
 def test_parallel_linear_built_on_dtensor_is_told_so(tmp_notebook):
-    result = verdict(tmp_notebook, {"ColumnParallelLinear": LINEAR_FROM_DTENSOR}, "tp.parallel_linear")
-    assert_rejected(result, "uses the course's reference")
+    result = graded(tmp_notebook, "tp.parallel_linear", {"ColumnParallelLinear": LINEAR_FROM_DTENSOR})
+    assert_fails(result, "uses the course's reference")
 
 
 # --- exercise 4: the tensor-parallel block ---
@@ -460,7 +450,7 @@ class TensorParallelBlock(nn.Module):
     ({"TensorParallelBlock": BLOCK_WITH_AN_EXTRA_ALL_REDUCE}, "forward issued 3 all_reduce"),
 ], ids=["contiguous-qkv-split", "dense-block-on-every-rank", "extra-all-reduce"])
 def test_parallel_block_rejects(tmp_notebook, replacements, feedback):
-    assert_rejected(verdict(tmp_notebook, replacements, "tp.parallel_block"), feedback)
+    assert_fails(graded(tmp_notebook, "tp.parallel_block", replacements), feedback)
 
 
 def separate_q_k_v(enter_each_projection: bool) -> str:
@@ -470,12 +460,12 @@ def separate_q_k_v(enter_each_projection: bool) -> str:
 
 
 def test_parallel_block_rejects_f_on_each_of_q_k_and_v(tmp_notebook):
-    result = verdict(tmp_notebook, {"TensorParallelAttention": separate_q_k_v(True)}, "tp.parallel_block")
-    assert_rejected(result, "backward issued 4 all_reduce")
+    result = graded(tmp_notebook, "tp.parallel_block", {"TensorParallelAttention": separate_q_k_v(True)})
+    assert_fails(result, "backward issued 4 all_reduce")
 
 
 def test_parallel_block_accepts_separate_q_k_v_and_fused_attention(tmp_notebook):
-    result = verdict(tmp_notebook, {"TensorParallelAttention": separate_q_k_v(False)}, "tp.parallel_block")
+    result = graded(tmp_notebook, "tp.parallel_block", {"TensorParallelAttention": separate_q_k_v(False)})
     assert result.status == "passed", result
 
 
@@ -570,7 +560,7 @@ def reduce_scatter_along_sequence(full):
         "gather-backward-without-reduce-scatter", "no-gradient-sync",
         "sync-every-gradient", "sync-averages"])
 def test_sequence_parallel_rejects(tmp_notebook, replacements, feedback):
-    assert_rejected(verdict(tmp_notebook, replacements, "tp.sequence_parallel"), feedback)
+    assert_fails(graded(tmp_notebook, "tp.sequence_parallel", replacements), feedback)
 
 
 SP_REGATHERING_IN_ITS_OWN_BACKWARD = '''
@@ -623,7 +613,7 @@ def reduce_scatter_along_sequence(full):
                                           {"all_gather_along_sequence": SP_WITH_LIST_COLLECTIVES}],
                          ids=["autograd-function-regathering", "list-collectives"])
 def test_sequence_parallel_accepts(tmp_notebook, replacements):
-    result = verdict(tmp_notebook, replacements, "tp.sequence_parallel")
+    result = graded(tmp_notebook, "tp.sequence_parallel", replacements)
     assert result.status == "passed", result
 
 
@@ -714,7 +704,7 @@ class VocabParallelEmbedding(nn.Module):
 ], ids=["softmax-over-the-local-shard", "no-max-subtracted", "gathered-logits", "zero-padded-logits",
         "all-reduce-in-backward", "embedding-without-mask"])
 def test_vocab_parallel_rejects(tmp_notebook, replacements, feedback):
-    assert_rejected(verdict(tmp_notebook, replacements, "tp.vocab_parallel"), feedback)
+    assert_fails(graded(tmp_notebook, "tp.vocab_parallel", replacements), feedback)
 
 
 FUSED_SUMS_EXPLICIT_BACKWARD = '''
@@ -751,7 +741,7 @@ def vocab_parallel_cross_entropy(local_logits, targets, vocab_start):
 @pytest.mark.parametrize("source", [loss(), FUSED_SUMS_EXPLICIT_BACKWARD],
                          ids=["autograd-through-g", "two-all-reduces-explicit-backward"])
 def test_vocab_parallel_accepts(tmp_notebook, source):
-    result = verdict(tmp_notebook, {"VocabParallelCrossEntropy": source}, "tp.vocab_parallel")
+    result = graded(tmp_notebook, "tp.vocab_parallel", {"VocabParallelCrossEntropy": source})
     assert result.status == "passed", result
 
 
@@ -792,7 +782,7 @@ def costs(**changes) -> str:
 ], ids=["elements-not-bytes", "four-messages", "no-attention-flops", "whole-layer-compute", "forward-compute-only",
         "course-reference"])
 def test_costs_rejects(tmp_notebook, changes, feedback):
-    assert_rejected(verdict(tmp_notebook, {"allreduce_message_bytes": costs(**changes)}, "tp.costs"), feedback)
+    assert_fails(graded(tmp_notebook, "tp.costs", {"allreduce_message_bytes": costs(**changes)}), feedback)
 
 
 @pytest.mark.parametrize("changes", [dict(TRAFFIC="2 * 2 * (t - 1) / t * tokens * hidden * bytes_per_element"),
@@ -800,8 +790,8 @@ def test_costs_rejects(tmp_notebook, changes, feedback):
                          ids=["forward-only", "no-ring-factor-2"])
 def test_costs_names_both_slips_that_halve_the_traffic(tmp_notebook, changes):
     # forward only and a ring's missing factor 2 give the same number: the feedback offers both, never one alone
-    result = verdict(tmp_notebook, {"allreduce_message_bytes": costs(**changes)}, "tp.costs")
-    assert_rejected(result, "more than one mistake gives that value")
+    result = graded(tmp_notebook, "tp.costs", {"allreduce_message_bytes": costs(**changes)})
+    assert_fails(result, "more than one mistake gives that value")
     assert "forward pass only" in result.feedback and "one half of the ring" in result.feedback
 
 
@@ -810,7 +800,7 @@ def test_costs_accepts_the_ratio_in_closed_form(tmp_notebook):
                        RATIO_FLOPS="link_bytes_per_s * (72 * hidden**2 + 12 * seq * hidden)", RATIO_SHARE="1")
     source = costs(**closed_form).replace("return (traffic / link_bytes_per_s) / (flops / 1 / flops_per_s)",
                                           "return traffic / flops")
-    assert verdict(tmp_notebook, {"allreduce_message_bytes": source}, "tp.costs").status == "passed"
+    assert graded(tmp_notebook, "tp.costs", {"allreduce_message_bytes": source}).status == "passed"
 
 
 INTERVIEW_RIGHT = {
@@ -842,25 +832,25 @@ def interview(name: str, body: str) -> str:
 ], ids=["MB-not-MiB", "four-messages", "no-ring-factor", "bidirectional-nvlink", "gigabits-as-gigabytes", "seconds",
         "copied-constant"])
 def test_interview_rejects(tmp_notebook, name, body, feedback):
-    result = verdict(tmp_notebook, {"interview_allreduce_mib": interview(name, body)}, "tp.interview")
-    assert_rejected(result, feedback)
+    result = graded(tmp_notebook, "tp.interview", {"interview_allreduce_mib": interview(name, body)})
+    assert_fails(result, feedback)
 
 
 def test_interview_rejects_an_answer_copied_as_a_number(tmp_notebook):
     source = "\n\n\n".join(INTERVIEW_RIGHT.values()) + "\n\n\ninterview_traffic_per_gpu_mib = 448"
-    result = verdict(tmp_notebook, {"interview_allreduce_mib": source}, "tp.interview")
+    result = graded(tmp_notebook, "tp.interview", {"interview_allreduce_mib": source})
     assert result.status != "passed" and result.points == 0, result
 
 
 def test_interview_refuses_the_course_functions(tmp_notebook):
     body = "__import__('dtp.tp.tensor_parallel').tp.tensor_parallel.all_reduce_message_bytes(tokens, hidden, bytes_per_element) / 2**20"
-    result = verdict(tmp_notebook, {"interview_allreduce_mib": interview("interview_allreduce_mib", body)}, "tp.interview")
-    assert_rejected(result, "uses the course's reference")
+    result = graded(tmp_notebook, "tp.interview", {"interview_allreduce_mib": interview("interview_allreduce_mib", body)})
+    assert_fails(result, "uses the course's reference")
 
 
 def test_interview_accepts_the_right_functions(tmp_notebook):
     source = "\n\n\n".join(INTERVIEW_RIGHT.values())
-    assert verdict(tmp_notebook, {"interview_allreduce_mib": source}, "tp.interview").status == "passed"
+    assert graded(tmp_notebook, "tp.interview", {"interview_allreduce_mib": source}).status == "passed"
 
 
 # --- bad input: a broken rank costs only its exercise ---

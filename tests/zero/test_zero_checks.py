@@ -1,38 +1,13 @@
 """Every check of the ZeRO chapter rejects plausible wrong answers with feedback that names the
 mistake, and accepts correct answers written differently from the course's (a flat buffer of all
 parameters or one tensor per parameter, all_gather lists or all_gather_single)."""
-import nbformat
 import pytest
 
-from conftest import grade, solution_path
+from conftest import assert_fails, changed, graded, solution_cell, solution_notebook
 
-SOLUTION = nbformat.read(solution_path("zero"), as_version=4)
-
-
-def cell_defining(name: str) -> str:
-    return next(cell.source for cell in SOLUTION.cells
-                if cell.cell_type == "code" and (f"class {name}" in cell.source or f"def {name}(" in cell.source))
-
-
-def changed(source: str, *replacements: tuple[str, str]) -> str:
-    for old, new in replacements:
-        assert old in source, old
-        source = source.replace(old, new)
-    return source
-
-
-ZERO1_CELL = cell_defining("ZeRO1Adam")
-ZERO2_CELL = cell_defining("ZeRO2Adam")
-ZERO3_CELL = cell_defining("ZeRO3Module")
-
-
-def graded(tmp_notebook, exercise_id: str, replacements: dict):
-    return grade(tmp_notebook("zero", replacements), exercise_id)[exercise_id]
-
-
-def assert_fails(result, feedback: str):
-    assert result.status == "failed", result
-    assert feedback in result.feedback, result.feedback
+ZERO1_CELL = solution_cell("zero", "ZeRO1Adam")
+ZERO2_CELL = solution_cell("zero", "ZeRO2Adam")
+ZERO3_CELL = solution_cell("zero", "ZeRO3Module")
 
 
 # --- exercise 1: memory per GPU ---
@@ -484,7 +459,7 @@ def test_interview_refuses_the_course_functions(tmp_notebook):
 
 def test_interview_asks_the_notebooks_questions():
     from grader.checks.zero.interview import Interview
-    statement = next(cell.source for cell in SOLUTION.cells if cell.source.startswith("## Interview questions"))
+    statement = next(cell.source for cell in solution_notebook("zero").cells if cell.source.startswith("## Interview questions"))
     for name, question in Interview.asked.items():
         assert f"`{name}(" in statement
     assert all(text in statement for text in ("70B", "on 8 GPUs", "81559 MiB", "16 GiB", "1024 GPUs", "64 GPUs"))
@@ -509,7 +484,7 @@ def test_no_cell_both_tries_an_exercise_and_checks_it():
     """Issue 21, item 22: a cell holding a demo and a check printed two lines for one unfinished
     exercise (the demo's "not implemented yet" and the check's "missing"); as in the other
     chapters, the check has a cell of its own, so every cell prints one line."""
-    both = [cell.source[:60] for cell in SOLUTION.cells
+    both = [cell.source[:60] for cell in solution_notebook("zero").cells
             if cell.cell_type == "code" and "with demo(" in cell.source and "check(" in cell.source]
     assert both == []
 

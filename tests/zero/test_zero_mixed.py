@@ -85,18 +85,26 @@ def test_mixed_precision_sharded_optimizer_keeps_fp32_masters(stage):
 
 # --- traffic and memory against dtp.zero.formulas's formulas ---
 
+def _recorded_step(rank, world_size, micro_batches, reduce_once, forward, syncing, step):
+    """One optimizer step over this rank's rows of `micro_batches` micro-batches, recorded (with
+    `syncing.no_sync()` on all but the last when `reduce_once`), and the bytes its all-gathers and
+    reduce-scatters sent around a ring."""
+    tokens = token_batches(1, micro_batches)[0]
+    with CommunicationLog() as log:
+        for micro in range(micro_batches):
+            with syncing.no_sync() if reduce_once and micro < micro_batches - 1 else _nothing():
+                (gpt_loss(forward, rows(tokens, rank, world_size, micro, micro_batches)) / micro_batches).backward()
+        step()
+    sent = {op: sum(zero.ring_bytes_sent(op, e["bytes"], world_size) for e in log.of(op))
+            for op in ("all_gather", "reduce_scatter")}
+    return log, sent
+
+
 def _zero3_step_traffic(rank, world_size, micro_batches, reduce_once, dtype, reduce_dtype):
     model = tiny_gpt()
     zero3 = ZeRO3(model, units=list(model.blocks), mixed_precision=MixedPrecision(dtype, reduce_dtype))
     optimizer = ADAMW[0](zero3.parameters(), **ADAMW[1])
-    tokens = token_batches(1, micro_batches)[0]
-    with CommunicationLog() as log:
-        for micro in range(micro_batches):
-            with zero3.no_sync() if reduce_once and micro < micro_batches - 1 else _nothing():
-                (gpt_loss(zero3, rows(tokens, rank, world_size, micro, micro_batches)) / micro_batches).backward()
-        optimizer.step()
-    sent = {op: sum(zero.ring_bytes_sent(op, e["bytes"], world_size) for e in log.of(op))
-            for op in ("all_gather", "reduce_scatter")}
+    log, sent = _recorded_step(rank, world_size, micro_batches, reduce_once, zero3, zero3, optimizer.step)
     return sent, {op: len(log.of(op)) for op in sent}, {e["op"] for e in log.events}
 
 
@@ -239,14 +247,8 @@ def _sharded_step_traffic(rank, world_size, stage, micro_batches, reduce_once):
     model = tiny_gpt()
     zero_optimizer = ShardedOptimizer(model.parameters(), ADAMW[0], stage=stage,
                                       mixed_precision=MixedPrecision(torch.bfloat16, torch.float32), **ADAMW[1])
-    tokens = token_batches(1, micro_batches)[0]
-    with CommunicationLog() as log:
-        for micro in range(micro_batches):
-            with zero_optimizer.no_sync() if reduce_once and micro < micro_batches - 1 else _nothing():
-                (gpt_loss(model, rows(tokens, rank, world_size, micro, micro_batches)) / micro_batches).backward()
-        zero_optimizer.step()
-    sent = {op: sum(zero.ring_bytes_sent(op, e["bytes"], world_size) for e in log.of(op))
-            for op in ("all_gather", "reduce_scatter")}
+    log, sent = _recorded_step(rank, world_size, micro_batches, reduce_once, model, zero_optimizer,
+                               zero_optimizer.step)
     return sent, [e["bytes"] for e in log.of("all_reduce")]
 
 

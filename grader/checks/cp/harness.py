@@ -2,7 +2,7 @@
 computes from the same seeds. A rank's Q, K, V (and dO) are slices of full tensors drawn from a
 seed, so the grader knows every rank's blocks and can tell, from the payloads, which block each
 message carried. Per rank the harness records, in order: messages and collectives (with payloads),
-waits, and every matrix product with its shape, so the score products (inner size = head_dim) say
+waits, and every matrix product with its shape (dtp.common.timeline), so the score products (inner size = head_dim) say
 how many query x key entries the rank computed, and the largest buffer it received into; in the
 forward, each product also records the bytes of received K/V still referenced when it ran
 (`kept.ReceivedKept`), so a rank that keeps old blocks shows."""
@@ -13,48 +13,10 @@ import math
 
 import torch
 from torch._C._distributed_c10d import ProcessGroup
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtp.common.traffic import CommunicationLog
+from dtp.common.timeline import Timeline
 
 from .kept import ReceivedKept
-
-_PRODUCTS = {"mm", "bmm", "addmm", "baddbmm"}
-_FUSED_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-                    "_scaled_dot_product_efficient_attention")
-
-
-class ProductRecorder(TorchDispatchMode):
-    """Appends {"op": "compute", "batch", "m", "k", "n"} for every matrix product (and a fused
-    attention kernel as its score product) to the communication log's events, in order; with
-    `kept` (a ReceivedKept), also "kept": the received bytes still referenced as it runs."""
-
-    def __init__(self, events: list, kept: ReceivedKept | None = None):
-        super().__init__()
-        self.events = events
-        self.kept = kept
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # nothing compiled runs here; skipping would import torch._dynamo in every rank
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if name in _PRODUCTS:
-            a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
-            batch = a.shape[0] if a.dim() == 3 else 1
-            self._append({"op": "compute", "batch": int(batch), "m": int(a.shape[-2]), "k": int(a.shape[-1]),
-                          "n": int(b.shape[-1])})
-        elif name in _FUSED_ATTENTION:
-            q, k = args[0], args[1]
-            self._append({"op": "compute", "batch": int(math.prod(q.shape[:-2])), "m": int(q.shape[-2]),
-                          "k": int(q.shape[-1]), "n": int(k.shape[-2])})
-        return func(*args, **(kwargs or {}))
-
-    def _append(self, event: dict) -> None:
-        if self.kept is not None:
-            event["kept"] = self.kept.settled()
-        self.events.append(event)
 
 
 class ReceivedHeld:
@@ -132,9 +94,9 @@ def backward_rank(rank, c, function, seed, heads, seq, d, causal):
 
 
 def _with_computes(function, *args, kept_limit=None):
-    with CommunicationLog(payloads=True) as log, ReceivedHeld() as held, \
+    with Timeline(payloads=True) as log, ReceivedHeld() as held, \
             (ReceivedKept(kept_limit, log.events) if kept_limit is not None else contextlib.nullcontext()) as kept, \
-            ProductRecorder(log.events, kept):
+            log.matrix_products(kept=kept.settled if kept is not None else None):
         result = function(*args)
     result = tuple(_plain(x) for x in result) if isinstance(result, (tuple, list)) else _plain(result)
     return {"result": result, "events": list(_events_with_shapes(log)), "held": held.peak}

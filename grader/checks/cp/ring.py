@@ -8,8 +8,8 @@ import torch
 from dtp.cp.context_parallel import ring_backward_bytes_per_layer
 
 from ...compare import CheckFailed, expect, expect_close
-from ...registry import Check, exercise
-from ..common import completed_worlds, raise_world_failure, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, run_worlds
 from .harness import attention, backward_rank, contiguous, forward_rank, full_tensors, zigzag
 from .ring_pattern import (
     RingBlocks,
@@ -51,7 +51,7 @@ def judge_output(out, wanted, what, slips=()):
 
 
 @exercise("cp.ring_forward", points=4)
-class RingForward(Check):
+class RingForward(WorldsCheck):
     """Verifies: on c = 2 (causal or not, drawn) and c = 4 (causal) gloo ranks with random heads,
     tokens per rank and head size, every rank's output equals single-process attention on its
     tokens; each rank used only send/recv, to one neighbour and from the other, and sent exactly
@@ -70,7 +70,9 @@ class RingForward(Check):
     reads = ("ring_attention",)
     references = ("dtp.cp.context_parallel.ring_attention_forward",)
     timeout_s = 60
-    runs_world = True
+    summary = ("outputs equal single-process attention for c = 2 and 4 (causal); K and V blocks passed on to one "
+               "neighbour in c - 1 steps, scores computed block by block as the blocks arrived, no buffer for all of K and V "
+               "and no used block kept")
 
     def prepare(self, rng):
         return [(c, int(rng.integers(1, 4)), c * int(rng.integers(2, 6)), int(rng.integers(6, 10)),
@@ -80,34 +82,29 @@ class RingForward(Check):
         return run_worlds(forward_rank, [(c, (student.ring_attention, seed, heads, seq, d, causal, "contiguous"))
                                          for c, heads, seq, d, causal, seed in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (c, heads, seq, d, causal, seed), per_rank in zip(worlds, done):
-            where = f"with c = {c} ranks{' (causal)' if causal else ''}"
-            blocks = RingBlocks(c, heads, seq, d, seed)
-            for rank, outcome in enumerate(per_rank):
-                check_ring_pattern(blocks, rank, outcome["events"], where)
-                check_score_products(blocks, rank, outcome["events"], where)
-                check_not_all_held(blocks, rank, outcome["events"], outcome["held"], where,
-                                   lambda source: causal and source > rank)
-                check_blocks_not_kept(blocks, rank, outcome["events"], where)
-            wanted = oracle(seed, heads, seq, d, causal)
-            slip = blockwise_causal_slip(seed, heads, seq, d, c) if causal else None
-            for rank, outcome in enumerate(per_rank):
-                rows = contiguous(seq, c)[rank]
-                slips = [] if slip is None else [(
-                    "is attention with the causal mask applied only inside the rank's own block: queries also saw "
-                    "the keys of later ranks' blocks. Skip (or mask) a block whose tokens all come after the "
-                    "rank's", slip[:, rows])]
-                judge_output(outcome["result"], wanted[:, rows], f"{where}: rank {rank}'s output", slips)
-        raise_world_failure(failure)
-        return ("outputs equal single-process attention for c = 2 and 4 (causal); K and V blocks passed on to one "
-                "neighbour in c - 1 steps, scores computed block by block as the blocks arrived, no buffer for all of K and V "
-                "and no used block kept")
+    def judge_world(self, world, per_rank) -> None:
+        c, heads, seq, d, causal, seed = world
+        where = f"with c = {c} ranks{' (causal)' if causal else ''}"
+        blocks = RingBlocks(c, heads, seq, d, seed)
+        for rank, outcome in enumerate(per_rank):
+            check_ring_pattern(blocks, rank, outcome["events"], where)
+            check_score_products(blocks, rank, outcome["events"], where)
+            check_not_all_held(blocks, rank, outcome["events"], outcome["held"], where,
+                               lambda source: causal and source > rank)
+            check_blocks_not_kept(blocks, rank, outcome["events"], where)
+        wanted = oracle(seed, heads, seq, d, causal)
+        slip = blockwise_causal_slip(seed, heads, seq, d, c) if causal else None
+        for rank, outcome in enumerate(per_rank):
+            rows = contiguous(seq, c)[rank]
+            slips = [] if slip is None else [(
+                "is attention with the causal mask applied only inside the rank's own block: queries also saw "
+                "the keys of later ranks' blocks. Skip (or mask) a block whose tokens all come after the "
+                "rank's", slip[:, rows])]
+            judge_output(outcome["result"], wanted[:, rows], f"{where}: rank {rank}'s output", slips)
 
 
 @exercise("cp.ring_backward", points=3)
-class RingBackward(Check):
+class RingBackward(WorldsCheck):
     """Verifies: on c = 2 (causal) and c = 4 (causal or not) gloo ranks, dQ, dK and dV of every
     rank's blocks equal single-process autograd of attention (the forward's output and
     log-sum-exp given); only send/recv to ring neighbours; the bytes each rank sent equal the
@@ -119,7 +116,8 @@ class RingBackward(Check):
     reads = ("ring_attention_backward",)
     references = ("dtp.cp.context_parallel.ring_attention_backward",)
     timeout_s = 60
-    runs_world = True
+    summary = ("dQ, dK, dV equal single-process autograd for c = 2 and 4; K/V and dK/dV went around the ring, "
+               "bytes equal to the formula")
 
     def prepare(self, rng):
         return [(c, int(rng.integers(1, 4)), c * int(rng.integers(2, 5)), int(rng.integers(3, 8)),
@@ -129,42 +127,38 @@ class RingBackward(Check):
         return run_worlds(backward_rank, [(c, (student.ring_attention_backward, seed, heads, seq, d, causal))
                                           for c, heads, seq, d, causal, seed in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (c, heads, seq, d, causal, seed), per_rank in zip(worlds, done):
-            where = f"with c = {c} ranks{' (causal)' if causal else ''}"
-            for rank, outcome in enumerate(per_rank):
-                events = outcome["events"]
-                other = unexpected_ops(events, {"send", "recv"})
-                expect(not other, f"{where}: rank {rank} called {', '.join(other)}; the backward passes K/V and their "
-                                  "gradients around the ring with send/recv")
-                peers = {e.get("peer") for e in events if e["op"] in ("send", "recv")}
-                expect(peers <= {(rank + 1) % c, (rank - 1) % c},
-                       f"{where}: rank {rank} exchanged messages with ranks {sorted(peers)}; in a ring each rank "
-                       "talks only to its two neighbours (dK/dV reach their owner by going on around the ring)")
-                sent = sum(e["bytes"] for e in events if e["op"] == "send")
-                wanted = ring_backward_bytes_per_layer(seq, heads * d, c, FP32)
-                expect(sent == wanted,
-                       f"{where}: rank {rank} sent {sent} bytes; the ring backward sends its K and V on in c - 1 = "
-                       f"{c - 1} steps and each block's dK/dV accumulator on in c = {c} steps (the last one brings "
-                       f"it home): {int(wanted)} bytes of fp32")
-            q, k, v, dout = (x.double().requires_grad_() for x in full_tensors(seed, heads, seq, d, count=4))
-            attention(q, k, v, causal)[0].backward(dout.detach())
-            for rank, outcome in enumerate(per_rank):
-                rows = contiguous(seq, c)[rank]
-                result = outcome["result"]
-                expect(isinstance(result, tuple) and len(result) == 3,
-                       f"{where}: rank {rank} returned {type(result).__name__}; return (dq, dk, dv)")
-                for name, got, full in zip(("dQ", "dK", "dV"), result, (q, k, v)):
-                    expect_close(got, full.grad[:, rows].numpy(), f"{where}: rank {rank}'s {name}", check_dtype=False,
-                                 **TOLERANCE)
-        raise_world_failure(failure)
-        return ("dQ, dK, dV equal single-process autograd for c = 2 and 4; K/V and dK/dV went around the ring, "
-                "bytes equal to the formula")
+    def judge_world(self, world, per_rank) -> None:
+        c, heads, seq, d, causal, seed = world
+        where = f"with c = {c} ranks{' (causal)' if causal else ''}"
+        for rank, outcome in enumerate(per_rank):
+            events = outcome["events"]
+            other = unexpected_ops(events, {"send", "recv"})
+            expect(not other, f"{where}: rank {rank} called {', '.join(other)}; the backward passes K/V and their "
+                              "gradients around the ring with send/recv")
+            peers = {e.get("peer") for e in events if e["op"] in ("send", "recv")}
+            expect(peers <= {(rank + 1) % c, (rank - 1) % c},
+                   f"{where}: rank {rank} exchanged messages with ranks {sorted(peers)}; in a ring each rank "
+                   "talks only to its two neighbours (dK/dV reach their owner by going on around the ring)")
+            sent = sum(e["bytes"] for e in events if e["op"] == "send")
+            wanted = ring_backward_bytes_per_layer(seq, heads * d, c, FP32)
+            expect(sent == wanted,
+                   f"{where}: rank {rank} sent {sent} bytes; the ring backward sends its K and V on in c - 1 = "
+                   f"{c - 1} steps and each block's dK/dV accumulator on in c = {c} steps (the last one brings "
+                   f"it home): {int(wanted)} bytes of fp32")
+        q, k, v, dout = (x.double().requires_grad_() for x in full_tensors(seed, heads, seq, d, count=4))
+        attention(q, k, v, causal)[0].backward(dout.detach())
+        for rank, outcome in enumerate(per_rank):
+            rows = contiguous(seq, c)[rank]
+            result = outcome["result"]
+            expect(isinstance(result, tuple) and len(result) == 3,
+                   f"{where}: rank {rank} returned {type(result).__name__}; return (dq, dk, dv)")
+            for name, got, full in zip(("dQ", "dK", "dV"), result, (q, k, v)):
+                expect_close(got, full.grad[:, rows].numpy(), f"{where}: rank {rank}'s {name}", check_dtype=False,
+                             **TOLERANCE)
 
 
 @exercise("cp.zigzag", points=3)
-class Zigzag(Check):
+class Zigzag(WorldsCheck):
     """Verifies: on c = 3 and c = 4 gloo ranks, each holding chunks r and 2c-1-r of the sequence
     in 2c chunks, every rank's causal attention output equals single-process attention on its
     tokens, in the order it holds them; the ring pattern of exercise 2, used blocks not kept (at
@@ -178,7 +172,8 @@ class Zigzag(Check):
     reads = ("zigzag_ring_attention",)
     references = ("dtp.cp.context_parallel.ring_attention_forward", "dtp.cp.context_parallel.zigzag_positions")
     timeout_s = 60
-    runs_world = True
+    summary = ("zigzag outputs equal single-process causal attention for c = 3 and 4, in each rank's token order; "
+               "every rank computed the same (2c + 1) chunk pairs of scores")
 
     def prepare(self, rng):
         # head size above any block's key count, so the score products are the ones with inner size d
@@ -189,32 +184,28 @@ class Zigzag(Check):
         return run_worlds(forward_rank, [(c, (student.zigzag_ring_attention, seed, heads, seq, d, True, "zigzag"))
                                          for c, heads, seq, d, seed in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (c, heads, seq, d, seed), per_rank in zip(worlds, done):
-            where = f"with c = {c} ranks (zigzag, causal)"
-            blocks = RingBlocks(c, heads, seq, d, seed, "zigzag")
-            for rank, outcome in enumerate(per_rank):
-                check_ring_pattern(blocks, rank, outcome["events"], where)
-                check_blocks_not_kept(blocks, rank, outcome["events"], where)
-            wanted = oracle(seed, heads, seq, d, True)
-            for rank, outcome in enumerate(per_rank):
-                rows = zigzag(seq, c)[rank]
-                half = len(rows) // 2
-                swapped = rows[half:] + rows[:half]
-                judge_output(outcome["result"], wanted[:, rows], f"{where}: rank {rank}'s output", [(
-                    f"has its two chunks swapped: rank {rank} holds chunk {rank} and then chunk {2 * c - 1 - rank}; "
-                    "return the outputs in the order of the rank's tokens", wanted[:, swapped])])
-            work = [score_entries(outcome["events"], heads, d) for outcome in per_rank]
-            chunk = seq // (2 * c)
-            most = (2 * c + 1) * chunk ** 2
-            expect(max(work) <= most,
-                   f"{where}: the ranks computed {[int(w) for w in work]} query x key scores per head; the zigzag "
-                   f"layout needs {most} on every rank (2c + 1 = {2 * c + 1} chunk pairs of {chunk} x {chunk}): "
-                   "split each block into its two chunks and skip the pairs whose keys all come after the queries")
-            expect(max(work) <= 1.2 * min(work),
-                   f"{where}: the ranks computed {[int(w) for w in work]} query x key scores per head; the zigzag "
-                   "layout exists to give every rank the same causal work")
-        raise_world_failure(failure)
-        return ("zigzag outputs equal single-process causal attention for c = 3 and 4, in each rank's token order; "
-                "every rank computed the same (2c + 1) chunk pairs of scores")
+    def judge_world(self, world, per_rank) -> None:
+        c, heads, seq, d, seed = world
+        where = f"with c = {c} ranks (zigzag, causal)"
+        blocks = RingBlocks(c, heads, seq, d, seed, "zigzag")
+        for rank, outcome in enumerate(per_rank):
+            check_ring_pattern(blocks, rank, outcome["events"], where)
+            check_blocks_not_kept(blocks, rank, outcome["events"], where)
+        wanted = oracle(seed, heads, seq, d, True)
+        for rank, outcome in enumerate(per_rank):
+            rows = zigzag(seq, c)[rank]
+            half = len(rows) // 2
+            swapped = rows[half:] + rows[:half]
+            judge_output(outcome["result"], wanted[:, rows], f"{where}: rank {rank}'s output", [(
+                f"has its two chunks swapped: rank {rank} holds chunk {rank} and then chunk {2 * c - 1 - rank}; "
+                "return the outputs in the order of the rank's tokens", wanted[:, swapped])])
+        work = [score_entries(outcome["events"], heads, d) for outcome in per_rank]
+        chunk = seq // (2 * c)
+        most = (2 * c + 1) * chunk ** 2
+        expect(max(work) <= most,
+               f"{where}: the ranks computed {[int(w) for w in work]} query x key scores per head; the zigzag "
+               f"layout needs {most} on every rank (2c + 1 = {2 * c + 1} chunk pairs of {chunk} x {chunk}): "
+               "split each block into its two chunks and skip the pairs whose keys all come after the queries")
+        expect(max(work) <= 1.2 * min(work),
+               f"{where}: the ranks computed {[int(w) for w in work]} query x key scores per head; the zigzag "
+               "layout exists to give every rank the same causal work")

@@ -5,15 +5,15 @@ from __future__ import annotations
 from dtp.cp.context_parallel import alltoall_input_bytes, ulysses_bytes_per_layer
 
 from ...compare import expect
-from ...registry import Check, exercise
-from ..common import completed_worlds, raise_world_failure, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, run_worlds
 from .harness import contiguous, forward_rank
 from .ring import FP32, judge_output, oracle
 from .ring_pattern import unexpected_ops
 
 
 @exercise("cp.ulysses", points=3)
-class Ulysses(Check):
+class Ulysses(WorldsCheck):
     """Verifies: on c = 2 and c = 4 gloo ranks (heads a random multiple of c, causal drawn), every
     rank's output equals single-process attention on its tokens; the rank used all-to-alls only,
     and the bytes their inputs add up to equal (tokens/c)·(2h + 2h)·4, Q, K, V in and the output
@@ -24,7 +24,8 @@ class Ulysses(Check):
     reads = ("ulysses_attention",)
     references = ("dtp.cp.context_parallel.ulysses_attention",)
     timeout_s = 40
-    runs_world = True
+    summary = ("outputs equal single-process attention for c = 2 and 4; all-to-all bytes equal "
+               "(tokens/c)(2h + 2h_kv)·4 per rank, (c-1)/c of it sent")
 
     def prepare(self, rng):
         return [(c, c * int(rng.integers(1, 3)), c * int(rng.integers(1, 5)), int(rng.integers(2, 7)),
@@ -34,25 +35,21 @@ class Ulysses(Check):
         return run_worlds(forward_rank, [(c, (student.ulysses_attention, seed, heads, seq, d, causal, "contiguous"))
                                          for c, heads, seq, d, causal, seed in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (c, heads, seq, d, causal, seed), per_rank in zip(worlds, done):
-            where = f"with c = {c} ranks and {heads} heads{' (causal)' if causal else ''}"
-            wanted_bytes = alltoall_input_bytes(seq, heads * d, heads * d, c, FP32)
-            for rank, outcome in enumerate(per_rank):
-                events = outcome["events"]
-                other = unexpected_ops(events, {"all_to_all"})
-                expect(not other, f"{where}: rank {rank} called {', '.join(other)}; Ulysses moves Q, K, V and the "
-                                  "output with all-to-alls only (dist.all_to_all or all_to_all_single)")
-                recorded = sum(e["bytes"] for e in events if e["op"] == "all_to_all")
-                leaving = ulysses_bytes_per_layer(seq, heads * d, heads * d, c, FP32)
-                expect(recorded == wanted_bytes,
-                       f"{where}: rank {rank}'s all-to-alls took {recorded} bytes of input; Q, K and V of its "
-                       f"{seq // c} tokens in and its output back are {int(wanted_bytes)} bytes of fp32 "
-                       f"((c-1)/c of it, {int(leaving)} bytes, leaves the rank)")
-            wanted = oracle(seed, heads, seq, d, causal)
-            for rank, outcome in enumerate(per_rank):
-                judge_output(outcome["result"], wanted[:, contiguous(seq, c)[rank]], f"{where}: rank {rank}'s output")
-        raise_world_failure(failure)
-        return ("outputs equal single-process attention for c = 2 and 4; all-to-all bytes equal "
-                "(tokens/c)(2h + 2h_kv)·4 per rank, (c-1)/c of it sent")
+    def judge_world(self, world, per_rank) -> None:
+        c, heads, seq, d, causal, seed = world
+        where = f"with c = {c} ranks and {heads} heads{' (causal)' if causal else ''}"
+        wanted_bytes = alltoall_input_bytes(seq, heads * d, heads * d, c, FP32)
+        for rank, outcome in enumerate(per_rank):
+            events = outcome["events"]
+            other = unexpected_ops(events, {"all_to_all"})
+            expect(not other, f"{where}: rank {rank} called {', '.join(other)}; Ulysses moves Q, K, V and the "
+                              "output with all-to-alls only (dist.all_to_all or all_to_all_single)")
+            recorded = sum(e["bytes"] for e in events if e["op"] == "all_to_all")
+            leaving = ulysses_bytes_per_layer(seq, heads * d, heads * d, c, FP32)
+            expect(recorded == wanted_bytes,
+                   f"{where}: rank {rank}'s all-to-alls took {recorded} bytes of input; Q, K and V of its "
+                   f"{seq // c} tokens in and its output back are {int(wanted_bytes)} bytes of fp32 "
+                   f"((c-1)/c of it, {int(leaving)} bytes, leaves the rank)")
+        wanted = oracle(seed, heads, seq, d, causal)
+        for rank, outcome in enumerate(per_rank):
+            judge_output(outcome["result"], wanted[:, contiguous(seq, c)[rank]], f"{where}: rank {rank}'s output")

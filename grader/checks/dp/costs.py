@@ -15,7 +15,6 @@ class RingTime(FormulaCheck):
 
     function = "ring_allreduce_time"
     references = ("dtp.dp.costs.ring_all_reduce_time",)
-    timeout_s = 15
     rel = 1e-6
     summary = "matches T = 2(n-1)·alpha + 2(n-1)/n·S/bandwidth on random inputs"
 
@@ -40,7 +39,6 @@ class BusBandwidth(FormulaCheck):
 
     function = "bus_bandwidth"
     references = ("dtp.dp.costs.bus_bandwidth",)
-    timeout_s = 15
     rel = 1e-6
     summary = "matches busbw = S/t · 2(n-1)/n on random inputs (n = 2 included)"
 

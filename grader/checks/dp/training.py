@@ -15,7 +15,7 @@ from dtp.dp import costs
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
-from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+from ..common import WorldsCheck, completed_worlds, events_as_data, raise_world_failure, run_worlds
 
 DDP_CLASS = "torch.nn.parallel.DistributedDataParallel"
 
@@ -122,7 +122,7 @@ def _judge_trajectory(per_rank, seeds, batch_seed, n, what) -> None:
 
 
 @exercise("dp.ddp_by_hand", points=2)
-class DataParallelByHand(Check):
+class DataParallelByHand(WorldsCheck):
     """Verifies: ranks that start from different random weights and buffers agree with rank 0
     after `broadcast_parameters`, and after each of 3 SGD steps with `average_gradients` they hold
     exactly what single-process training on the full batch gives, for worlds of 2 and 4.
@@ -133,7 +133,8 @@ class DataParallelByHand(Check):
     reads = ("broadcast_parameters", "average_gradients")
     references = (DDP_CLASS,)
     timeout_s = 60
-    runs_world = True
+    summary = (f"ranks starting from different weights agree after broadcast_parameters, and {STEPS} SGD steps "
+               "equal single-process full-batch training (world sizes 2 and 4)")
 
     def prepare(self, rng):
         return _training_inputs(rng, (2, 4))
@@ -142,13 +143,9 @@ class DataParallelByHand(Check):
         return run_worlds(_by_hand_on_rank, [(n, (student.broadcast_parameters, student.average_gradients, seeds,
                                                   _batches(batch_seed, n))) for n, seeds, batch_seed in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, seeds, batch_seed), per_rank in zip(worlds, done):
-            _judge_trajectory(per_rank, seeds, batch_seed, n, "your average_gradients")
-        raise_world_failure(failure)
-        return (f"ranks starting from different weights agree after broadcast_parameters, and {STEPS} SGD steps "
-                "equal single-process full-batch training (world sizes 2 and 4)")
+    def judge_world(self, world, per_rank) -> None:
+        n, seeds, batch_seed = world
+        _judge_trajectory(per_rank, seeds, batch_seed, n, "your average_gradients")
 
 
 def _bucketed_on_rank(rank, world_size, bucketed_ddp, cap, seeds, batches):

@@ -10,8 +10,8 @@ from dtp.common.traffic import CommunicationLog
 from dtp.ep import moe
 
 from ...compare import CheckFailed, expect
-from ...registry import Check, exercise
-from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, events_as_data, run_worlds
 from .layer import explain_layer_output, layer_slips, partly_dropped
 from .shared import TORCH_DIFFERENTIABLE_ALL_TO_ALL
 
@@ -240,11 +240,10 @@ def _judge_gradients(case, outcomes, oracle, what: str) -> None:
                                   else ""))
 
 
-class ExpertParallelCheck(Check):
+class ExpertParallelCheck(WorldsCheck):
     reads = ("expert_parallel_moe",)
     references = TORCH_DIFFERENTIABLE_ALL_TO_ALL
     timeout_s = 40
-    runs_world = True
     dropless = False
 
     def worlds(self, rng) -> list[tuple[int, list]]:
@@ -256,20 +255,17 @@ class ExpertParallelCheck(Check):
     def collect(self, student, worlds):
         return run_worlds(_ep_on_rank, [(n, (student.expert_parallel_moe, cases)) for n, cases in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, cases), per_rank in zip(worlds, done):
-            for index, case in enumerate(cases):
-                what = _describe(case, n)
-                ranks = [per_rank[rank][index] for rank in range(n)]
-                oracle = _single_process(case)
-                _judge_outputs(case, ranks, what)
-                _judge_collectives(case, ranks, n, what)
-                _judge_dataflow(case, ranks, n, what)
-                _judge_bytes(case, ranks, n, what)
-                _judge_gradients(case, ranks, oracle, what)
-        raise_world_failure(failure)
-        return self.summary
+    def judge_world(self, world, per_rank) -> None:
+        n, cases = world
+        for index, case in enumerate(cases):
+            what = _describe(case, n)
+            ranks = [per_rank[rank][index] for rank in range(n)]
+            oracle = _single_process(case)
+            _judge_outputs(case, ranks, what)
+            _judge_collectives(case, ranks, n, what)
+            _judge_dataflow(case, ranks, n, what)
+            _judge_bytes(case, ranks, n, what)
+            _judge_gradients(case, ranks, oracle, what)
 
 
 @exercise("ep.expert_parallel_capacity", points=3)

@@ -28,7 +28,6 @@ class Capacity(FormulaCheck):
 
     function = "expert_capacity"
     references = ("dtp.ep.moe.expert_capacity",)
-    timeout_s = 15
     summary = "ceil(capacity_factor · T · k / E) on random sizes, whole quotients and fractional ones"
 
     def cases(self, rng):

@@ -10,8 +10,8 @@ from dtp.common.models import tiny_mlp
 from dtp.overlap.runs import bucket_overlap_rank, full_batch_gradients
 
 from ...compare import CheckFailed, expect, expect_close
-from ...registry import Check, exercise
-from ..common import completed_worlds, raise_world_failure, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, run_worlds
 from .order import between_marks, unexpected_ops, wait_of
 
 FP32 = 4
@@ -75,7 +75,7 @@ class BucketJudge:
 
 
 @exercise("overlap.bucket_overlap", points=3)
-class BucketOverlap(Check):
+class BucketOverlap(WorldsCheck):
     """Verifies: on 2 and 3 gloo ranks with random buckets of layers (the last layer first), one
     backward leaves the average over ranks of every gradient after finish(); each bucket's
     gradients go in one all-reduce, in backward's order, issued during backward before any
@@ -87,7 +87,8 @@ class BucketOverlap(Check):
     reads = ("OverlappingDDP",)
     references = ("torch.nn.parallel.DistributedDataParallel",)
     timeout_s = 40
-    runs_world = True
+    summary = ("gradients averaged on 2 and 3 ranks; each bucket all-reduced from a hook as soon as it was ready, "
+               "under the rest of backward, and waited on only after backward")
 
     def prepare(self, rng):
         worlds = []
@@ -105,10 +106,5 @@ class BucketOverlap(Check):
         return run_worlds(bucket_overlap_rank, [(n, (student.OverlappingDDP, sizes, seed, batch_seed, split))
                                                  for n, sizes, seed, batch_seed, split in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, sizes, seed, batch_seed, split), per_rank in zip(worlds, done):
-            BucketJudge(n, sizes, seed, batch_seed, split, per_rank).judge()
-        raise_world_failure(failure)
-        return ("gradients averaged on 2 and 3 ranks; each bucket all-reduced from a hook as soon as it was ready, "
-                "under the rest of backward, and waited on only after backward")
+    def judge_world(self, world, per_rank) -> None:
+        BucketJudge(*world, per_rank).judge()

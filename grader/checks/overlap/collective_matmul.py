@@ -8,8 +8,8 @@ import numpy as np
 from dtp.overlap.runs import collective_matmul_oracle, collective_matmul_rank
 
 from ...compare import CheckFailed, expect, expect_close
-from ...registry import Check, exercise
-from ..common import completed_worlds, raise_world_failure, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, run_worlds
 from .order import products_between, unexpected_ops, wait_of
 
 FP32 = 4
@@ -90,7 +90,7 @@ class RingJudge:
 
 
 @exercise("overlap.collective_matmul", points=4)
-class CollectiveMatmul(Check):
+class CollectiveMatmul(WorldsCheck):
     """Verifies: on t = 2 and t = 4 gloo ranks (random shapes), the output equals the plain
     all-gather then GEMM X @ W_r on every rank; each rank sends t - 1 pieces to one neighbour
     and receives t - 1 from the other, one input piece per message, with a matrix product
@@ -103,7 +103,8 @@ class CollectiveMatmul(Check):
     reads = ("collective_matmul",)
     references = ()  # no course code computes it; an all-gather is judged from the recorded operations instead
     timeout_s = 40
-    runs_world = True
+    summary = ("outputs equal the all-gather then GEMM for t = 2 and 4; t - 1 ring steps, each transfer issued before "
+               "the product of the piece already held and waited on after it")
 
     def prepare(self, rng):
         return [(t, int(rng.integers(2, 6)), int(rng.integers(3, 9)), int(rng.integers(2, 6)),
@@ -113,10 +114,5 @@ class CollectiveMatmul(Check):
         return run_worlds(collective_matmul_rank, [(t, (student.collective_matmul, rows, hidden, columns, seed))
                                                     for t, rows, hidden, columns, seed in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (t, rows, hidden, columns, seed), per_rank in zip(worlds, done):
-            RingJudge(t, rows, hidden, columns, seed, per_rank).judge()
-        raise_world_failure(failure)
-        return ("outputs equal the all-gather then GEMM for t = 2 and 4; t - 1 ring steps, each transfer issued before "
-                "the product of the piece already held and waited on after it")
+    def judge_world(self, world, per_rank) -> None:
+        RingJudge(*world, per_rank).judge()

@@ -17,11 +17,10 @@ from dtp.zero import formulas as zero
 from dtp.zero import runs as zero_runs
 
 from ...compare import CheckFailed, expect, expect_close
-from ...registry import Check, exercise
-from ..common import completed_worlds, raise_world_failure, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, run_worlds
+from ..zero.judging import FSDP_REFERENCES
 from .order import between_marks, products_between, unexpected_ops, wait_of
-
-FSDP_REFERENCES = ("torch.distributed.fsdp.fully_shard", "torch.distributed.fsdp.FullyShardedDataParallel")
 
 
 def _parameters(sizes):
@@ -132,7 +131,7 @@ class PrefetchJudge:
 
 
 @exercise("overlap.zero3_prefetch", points=4)
-class Zero3Prefetch(Check):
+class Zero3Prefetch(WorldsCheck):
     """Verifies: on 2 and 3 gloo ranks, two Adam steps of a 4-layer MLP through the learner's
     module equal unsharded training (pieces put back together in the grader); in forward and in
     backward every all-gather after the first has a matrix product between its issue and its
@@ -146,7 +145,9 @@ class Zero3Prefetch(Check):
     reads = ("PrefetchZeRO3Module",)
     references = FSDP_REFERENCES
     timeout_s = 90
-    runs_world = True
+    summary = ("two Adam steps equal unsharded training on 2 and 3 ranks; every all-gather after the first ran under "
+               "a matrix product, in forward and in backward, waited on only when needed; at most two units gathered "
+               "at once")
 
     def prepare(self, rng):
         worlds = []
@@ -160,11 +161,5 @@ class Zero3Prefetch(Check):
         return run_worlds(zero3_prefetch_rank, [(n, (make, sizes, seed, batch_seed))
                                                  for n, sizes, seed, batch_seed in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, sizes, seed, batch_seed), per_rank in zip(worlds, done):
-            PrefetchJudge(n, sizes, seed, batch_seed, per_rank).judge()
-        raise_world_failure(failure)
-        return ("two Adam steps equal unsharded training on 2 and 3 ranks; every all-gather after the first ran under "
-                "a matrix product, in forward and in backward, waited on only when needed; at most two units gathered "
-                "at once")
+    def judge_world(self, world, per_rank) -> None:
+        PrefetchJudge(*world, per_rank).judge()

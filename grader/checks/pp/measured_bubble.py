@@ -2,8 +2,8 @@
 
 Each rank runs the learner's exercise-4 step on a stage that computes nothing (the identity, with
 each row's micro-batch number in column 0) and appends every forward and backward it runs to the
-same list in which a CommunicationLog records the rank's sends, receives and waits: one ordered
-sequence per rank, no durations. The judge replays these sequences on a logical clock (a
+same Timeline (dtp.common.timeline) that records the rank's sends, receives and waits: one
+ordered sequence per rank, no durations. The judge replays these sequences on a logical clock (a
 forward takes T_F, a backward T_B, issuing a message nothing) and measures the idle share of the
 replayed timeline. The verdict depends only on what the ranks did and in which order, never on
 how busy the machine was; a correct 1F1B step idles exactly (p-1)/(m+p-1).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtp.common.traffic import CommunicationLog
+from dtp.common import timeline
 from dtp.pp import schedules as pipeline
 
 from ...compare import CheckFailed, RanksFailed, expect, expect_answer
@@ -26,28 +26,16 @@ from .real_pipeline import _judge_order
 T_F, T_B = 1.0, 2.0  # logical durations: a backward costs two forwards (two matrix products to one)
 WIDTH, MICRO_BATCH = 4, 1
 COMPUTE = ("F", "B")
-
-
-class _TaggedLog(CommunicationLog):
-    """A CommunicationLog that also keeps each send's and receive's tag: gloo matches the n-th
-    send from a to b with tag t to the n-th receive on b from a with tag t."""
-
-    def _record(self, method, group, args):
-        event = super()._record(method, group, args)
-        if event["op"] in ("send", "recv"):
-            position = 1 if method == "recv_anysource" else 2  # (tensors, peer, tag) or (tensors, tag)
-            event["tag"] = int(args[position]) if len(args) > position else 0
-        return event
+KEEP = ("op", "peer", "tag", "of", "micro_batch")
 
 
 def recording_rank(rank, world_size, step, m):
-    log = _TaggedLog()
-    stage = pipeline.SleepingStage(WIDTH, 0.0, 0.0, sequence=log.events)  # no sleeps: order only
+    log = timeline.Timeline()
+    stage = pipeline.SleepingStage(WIDTH, 0.0, 0.0, timeline=log)  # no sleeps: order only
     batch, targets = pipeline.tagged_batch(m, MICRO_BATCH, WIDTH)
     with log:
         step(stage, batch, targets, m, (MICRO_BATCH, WIDTH))
-    keep = ("op", "peer", "tag", "of", "micro_batch")
-    return [{key: event[key] for key in keep if key in event} for event in log.events]
+    return log.kept(KEEP)
 
 
 # --- the rank's sequence: what it may contain -------------------------------------------------
@@ -102,61 +90,14 @@ def _check_sequence(events: list, rank: int, p: int, m: int, world: str) -> None
 # --- the logical clock --------------------------------------------------------------------------
 
 def replay(sequences: list) -> dict:
-    """Replay every rank's sequence on a logical clock: a forward takes T_F, a backward T_B,
-    issuing a send or a receive takes nothing. Waiting on a receive ends when the matching send
-    (the n-th from that peer with that tag) has been issued, if that is later; waiting on a send
-    ends when the matching receive has been posted: measured on torch 2.13's gloo, a send's
-    handle completes only once the receiver has posted its recv, even for a 32-byte message
-    (tests/pp/test_pp_load.py::test_a_gloo_send_completes_only_once_its_receive_is_posted).
-    Returns each rank's compute intervals (start, end, kind) and each wait that advanced a
-    rank's clock; raises CheckFailed if no rank can go on (a deadlock)."""
-    p = len(sequences)
-    keys = []  # per rank, per event: (src, dst, tag) and the event's ordinal among that key's events
-    for rank, events in enumerate(sequences):
-        seen, mine = {}, []
-        for event in events:
-            if event["op"] in ("send", "recv"):
-                key = (rank, event["peer"], event["tag"]) if event["op"] == "send" else (event["peer"], rank, event["tag"])
-                seen[(event["op"], key)] = seen.get((event["op"], key), -1) + 1
-                mine.append((key, seen[(event["op"], key)]))
-            else:
-                mine.append(None)
-        keys.append(mine)
-    issued = {"send": {}, "recv": {}}  # key -> issue times in order
-    clock, position = [0.0] * p, [0] * p
-    intervals = [[] for _ in range(p)]
-    delays = []  # (rank, from, to, index of the awaited event, index of the wait)
-    progress = True
-    while progress:
-        progress = False
-        for rank, events in enumerate(sequences):
-            while position[rank] < len(events):
-                index, event = position[rank], events[position[rank]]
-                if event["op"] in COMPUTE:
-                    took = T_F if event["op"] == "F" else T_B
-                    intervals[rank].append((clock[rank], clock[rank] + took, event["op"]))
-                    clock[rank] += took
-                elif event["op"] in ("send", "recv"):
-                    key, _ = keys[rank][index]
-                    issued[event["op"]].setdefault(key, []).append(clock[rank])
-                elif event["op"] == "wait":
-                    awaited = event.get("of")
-                    if isinstance(awaited, int) and 0 <= awaited < index and keys[rank][awaited] is not None:
-                        key, ordinal = keys[rank][awaited]
-                        partner = issued["recv" if events[awaited]["op"] == "send" else "send"].get(key, [])
-                        if len(partner) <= ordinal:
-                            break  # blocked until the peer issues the matching message
-                        if partner[ordinal] > clock[rank]:
-                            delays.append((rank, clock[rank], partner[ordinal], awaited, index))
-                            clock[rank] = partner[ordinal]
-                position[rank] += 1
-                progress = True
-    stuck = [rank for rank in range(p) if position[rank] < len(sequences[rank])]
-    if stuck:
+    """dtp.common.timeline.replay with a forward taking T_F and a backward T_B; raises
+    CheckFailed naming the messages the ranks wait on if no rank can go on (a deadlock)."""
+    try:
+        return timeline.replay(sequences, {"F": T_F, "B": T_B})
+    except timeline.Deadlock as deadlock:
         raise CheckFailed("the ranks' sends and receives cannot all complete: " + "; ".join(
-            f"rank {rank} waits on {_describe_message(sequences[rank], rank, sequences[rank][position[rank]]['of'])}"
-            for rank in stuck))
-    return {"intervals": intervals, "delays": delays}
+            f"rank {rank} waits on {_describe_message(sequences[rank], rank, sequences[rank][index]['of'])}"
+            for rank, index in sorted(deadlock.stuck.items()))) from None
 
 
 def _describe_message(events: list, rank: int, index: int) -> str:

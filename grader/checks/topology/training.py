@@ -11,8 +11,8 @@ from dtp.common.traffic import CommunicationLog
 from dtp.topology import mesh as topology
 
 from ...compare import CheckFailed, expect, expect_answer, expect_close
-from ...registry import Check, exercise
-from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, events_as_data, run_worlds
 from .layout import LAYOUT_REFERENCES
 
 TRAINING_REFERENCES = ("dtp.topology.training.train_3d_rank", "dtp.topology.training.ParallelMLP",
@@ -90,7 +90,7 @@ def _shard(full: np.ndarray, name: str, tp: int, index: int) -> np.ndarray:
 
 
 @exercise("topology.dp_tp_training", points=4)
-class DataTensorParallelTraining(Check):
+class DataTensorParallelTraining(WorldsCheck):
     """Verifies: on gloo worlds of 2 × 2 and 2 × 3 (DP × TP, TP innermost, an MLP whose hidden
     width does not divide by 3), every rank's losses and final parameter pieces equal
     single-process SGD on the whole batches; each rank's TP all-reduces ran on its TP group
@@ -105,7 +105,8 @@ class DataTensorParallelTraining(Check):
     reads = ("train_dp_tp",)
     references = TRAINING_REFERENCES + LAYOUT_REFERENCES
     timeout_s = 40
-    runs_world = True
+    summary = (f"{STEPS} SGD steps on 2 × 2 and 2 × 3 (DP × TP) ranks equal single-process training; TP "
+               "all-reduces ran on consecutive ranks (g forward, f backward), gradient all-reduces on the DP groups")
 
     def prepare(self, rng):
         worlds = []
@@ -122,13 +123,8 @@ class DataTensorParallelTraining(Check):
     def collect(self, student, worlds):
         return run_worlds(_dp_tp_on_rank, [(dp * tp, (student.train_dp_tp, dp, tp, case)) for dp, tp, case in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (dp, tp, case), per_rank in zip(worlds, done):
-            _judge_dp_tp(dp, tp, case, per_rank)
-        raise_world_failure(failure)
-        return (f"{STEPS} SGD steps on 2 × 2 and 2 × 3 (DP × TP) ranks equal single-process training; TP "
-                "all-reduces ran on consecutive ranks (g forward, f backward), gradient all-reduces on the DP groups")
+    def judge_world(self, world, per_rank) -> None:
+        _judge_dp_tp(*world, per_rank)
 
 
 def _judge_dp_tp(dp, tp, case, per_rank) -> None:

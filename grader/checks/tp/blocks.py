@@ -10,8 +10,8 @@ from dtp.common.traffic import CommunicationLog
 from dtp.tp import tensor_parallel as tp
 
 from ...compare import CheckFailed, expect
-from ...registry import Check, exercise
-from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, events_as_data, run_worlds
 from .shared import (
     DTENSOR_TP,
     DenseParameters,
@@ -143,7 +143,7 @@ def _judge_block(case, n, per_rank, sequence_parallel: bool, what_block: str) ->
 
 
 @exercise("tp.parallel_block", points=4)
-class ParallelBlock(Check):
+class ParallelBlock(WorldsCheck):
     """Verifies: TensorParallelBlock(block) on 2 and 4 ranks equals the dense dtp.common.gpt Block (same
     random weights, LayerNorms included) in output, input gradient and every parameter gradient;
     each rank holds q, k and v of the same t-th of the heads and 1/t of every matrix; forward
@@ -156,7 +156,8 @@ class ParallelBlock(Check):
     reads = ("TensorParallelBlock",)
     references = DTENSOR_TP
     timeout_s = 50
-    runs_world = True
+    summary = ("equal to the dense block in output and every gradient on 2 and 4 ranks, attention split by heads; "
+               "2 all-reduces of b·s·h values in forward and 2 in backward")
 
     def prepare(self, rng):
         return [_block_case(rng, n, False) for n in (2, 4)]
@@ -164,24 +165,20 @@ class ParallelBlock(Check):
     def collect(self, student, cases):
         return run_worlds(_block_on_rank, [(n, (student.TensorParallelBlock, None, case, False)) for n, case in cases])
 
-    def judge(self, cases, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, case), per_rank in zip(cases, done):
-            _judge_block(case, n, per_rank, False, "TensorParallelBlock")
-            message = {"all_reduce": [case["x"].nbytes] * 2}
-            for rank, outcome in enumerate(per_rank):
-                what = f"world {n}, rank {rank}: TensorParallelBlock's"
-                expect_collectives(outcome["events"], "forward", "backward", message, f"{what} forward",
-                                    "g after attention's output projection and after the MLP, each b·s·h values")
-                expect_collectives(outcome["events"], "backward", "sync", message, f"{what} backward",
-                                    "f's all-reduce of dL/dx before the QKV projection and before the MLP")
-        raise_world_failure(failure)
-        return ("equal to the dense block in output and every gradient on 2 and 4 ranks, attention split by heads; "
-                "2 all-reduces of b·s·h values in forward and 2 in backward")
+    def judge_world(self, world, per_rank) -> None:
+        n, case = world
+        _judge_block(case, n, per_rank, False, "TensorParallelBlock")
+        message = {"all_reduce": [case["x"].nbytes] * 2}
+        for rank, outcome in enumerate(per_rank):
+            what = f"world {n}, rank {rank}: TensorParallelBlock's"
+            expect_collectives(outcome["events"], "forward", "backward", message, f"{what} forward",
+                                "g after attention's output projection and after the MLP, each b·s·h values")
+            expect_collectives(outcome["events"], "backward", "sync", message, f"{what} backward",
+                                "f's all-reduce of dL/dx before the QKV projection and before the MLP")
 
 
 @exercise("tp.sequence_parallel", points=3)
-class SequenceParallel(Check):
+class SequenceParallel(WorldsCheck):
     """Verifies: SequenceParallelBlock(block), fed its rank's piece of the sequence on 2 and 4
     ranks (batch > 1 every time), returns its piece of the dense block's output and input
     gradient; after all_reduce_replicated_gradients every gradient equals the dense block's;
@@ -200,7 +197,9 @@ class SequenceParallel(Check):
     reads = ("SequenceParallelBlock", "all_reduce_replicated_gradients")
     references = DTENSOR_TP
     timeout_s = 50
-    runs_world = True
+    summary = ("equal to the dense block (output and input gradient by sequence piece, every parameter gradient after "
+               "the sync) on 2 and 4 ranks; all-gathers and reduce-scatters of equal volume replace the all-reduces; "
+               "each rank keeps only its piece of the sequence for backward and gathers it again there")
 
     def prepare(self, rng):
         return [_block_case(rng, n, True) for n in (2, 4)]
@@ -209,37 +208,32 @@ class SequenceParallel(Check):
         return run_worlds(_block_on_rank, [(n, (student.SequenceParallelBlock, student.all_reduce_replicated_gradients,
                                                 case, True)) for n, case in cases])
 
-    def judge(self, cases, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, case), per_rank in zip(cases, done):
-            full, shard, hidden = case["x"].nbytes, case["x"].nbytes // n, case["hidden"]
-            replicated_bytes = 6 * hidden * 4
-            for rank, outcome in enumerate(per_rank):
-                what = f"world {n}, rank {rank}: SequenceParallelBlock's"
-                expect_collectives(outcome["events"], "forward", "backward",
-                                   {"all_gather": [shard] * 2, "reduce_scatter": [full] * 2}, f"{what} forward",
-                                   "each all-reduce of tensor parallelism becomes an all-gather of the sequence (before "
-                                   "the column-parallel layer) and a reduce-scatter (after the row-parallel one)",
-                                   merge=False)
-            _judge_kept_inputs(case, n, per_rank, "SequenceParallelBlock")  # before the backward's count: it says why
-            for rank, outcome in enumerate(per_rank):
-                what = f"world {n}, rank {rank}: SequenceParallelBlock's"
-                events = outcome["events"]
-                backward = tp.summarize(tp.events_between(events, "backward", "sync"))
-                expect(backward.get("reduce_scatter") == [full] * 2 and backward.get("all_gather") == [shard] * 4
-                       and set(backward) == {"reduce_scatter", "all_gather"},
-                       f"{what} backward issued {describe_collectives(backward)}; it should issue 2 reduce_scatter "
-                       f"({full:,} bytes each: the all-gathers' backward) and 4 all_gather ({shard:,} bytes each: 2 for "
-                       "the reduce-scatters' backward, and 2 that gather the sequence again for the column-parallel "
-                       "layers' weight gradients, since a rank keeps only its piece)")
-                sync = tp.summarize(tp.events_between(events, "sync", "done"))
-                expect(set(sync) <= {"all_reduce"} and sum(sync.get("all_reduce", [])) == replicated_bytes,
-                       f"{what} all_reduce_replicated_gradients issued {describe_collectives(sync)}; it should all-reduce the "
-                       f"gradients of the replicated parameters only (two LayerNorms and two row-parallel biases, "
-                       f"6h = {6 * hidden} floats, {replicated_bytes} bytes), which each rank computed from its own "
-                       "piece of the sequence")
-            _judge_block(case, n, per_rank, True, "SequenceParallelBlock")
-        raise_world_failure(failure)
-        return ("equal to the dense block (output and input gradient by sequence piece, every parameter gradient after "
-                "the sync) on 2 and 4 ranks; all-gathers and reduce-scatters of equal volume replace the all-reduces; "
-                "each rank keeps only its piece of the sequence for backward and gathers it again there")
+    def judge_world(self, world, per_rank) -> None:
+        n, case = world
+        full, shard, hidden = case["x"].nbytes, case["x"].nbytes // n, case["hidden"]
+        replicated_bytes = 6 * hidden * 4
+        for rank, outcome in enumerate(per_rank):
+            what = f"world {n}, rank {rank}: SequenceParallelBlock's"
+            expect_collectives(outcome["events"], "forward", "backward",
+                               {"all_gather": [shard] * 2, "reduce_scatter": [full] * 2}, f"{what} forward",
+                               "each all-reduce of tensor parallelism becomes an all-gather of the sequence (before "
+                               "the column-parallel layer) and a reduce-scatter (after the row-parallel one)",
+                               merge=False)
+        _judge_kept_inputs(case, n, per_rank, "SequenceParallelBlock")  # before the backward's count: it says why
+        for rank, outcome in enumerate(per_rank):
+            what = f"world {n}, rank {rank}: SequenceParallelBlock's"
+            events = outcome["events"]
+            backward = tp.summarize(tp.events_between(events, "backward", "sync"))
+            expect(backward.get("reduce_scatter") == [full] * 2 and backward.get("all_gather") == [shard] * 4
+                   and set(backward) == {"reduce_scatter", "all_gather"},
+                   f"{what} backward issued {describe_collectives(backward)}; it should issue 2 reduce_scatter "
+                   f"({full:,} bytes each: the all-gathers' backward) and 4 all_gather ({shard:,} bytes each: 2 for "
+                   "the reduce-scatters' backward, and 2 that gather the sequence again for the column-parallel "
+                   "layers' weight gradients, since a rank keeps only its piece)")
+            sync = tp.summarize(tp.events_between(events, "sync", "done"))
+            expect(set(sync) <= {"all_reduce"} and sum(sync.get("all_reduce", [])) == replicated_bytes,
+                   f"{what} all_reduce_replicated_gradients issued {describe_collectives(sync)}; it should all-reduce the "
+                   f"gradients of the replicated parameters only (two LayerNorms and two row-parallel biases, "
+                   f"6h = {6 * hidden} floats, {replicated_bytes} bytes), which each rank computed from its own "
+                   "piece of the sequence")
+        _judge_block(case, n, per_rank, True, "SequenceParallelBlock")

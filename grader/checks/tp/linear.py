@@ -11,8 +11,8 @@ from dtp.common.traffic import CommunicationLog
 from dtp.tp import tensor_parallel as tp
 
 from ...compare import CheckFailed
-from ...registry import Check, exercise
-from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, events_as_data, run_worlds
 from .shared import (
     DTENSOR_TP,
     DenseParameters,
@@ -101,7 +101,7 @@ def _linears_on_rank(rank, world_size, column_class, row_class, data):
 
 
 @exercise("tp.parallel_linear", points=3)
-class ParallelLinear(Check):
+class ParallelLinear(WorldsCheck):
     """Verifies: on 2 and 4 ranks, with feature counts not divisible by t, ColumnParallelLinear
     returns its rank's output features and passes back the full input gradient (one all-reduce,
     in backward only); RowParallelLinear takes its rank's input features and returns the whole
@@ -118,7 +118,9 @@ class ParallelLinear(Check):
     reads = ("ColumnParallelLinear", "RowParallelLinear")
     references = DTENSOR_TP
     timeout_s = 40
-    runs_world = True
+    summary = ("on 2 and 4 ranks (features not divisible by t): outputs, input, weight and bias gradients equal the "
+               "dense layer's; the row layer adds its bias once; one all-reduce each, in backward (column) and "
+               "forward (row)")
 
     def prepare(self, rng):
         worlds = []
@@ -139,60 +141,55 @@ class ParallelLinear(Check):
         return run_worlds(_linears_on_rank, [(n, (student.ColumnParallelLinear, student.RowParallelLinear, data))
                                              for n, data in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, data), per_rank in zip(worlds, done):
-            d = {k: v.astype(np.float64) for k, v in data.items()}
-            y = d["x_column"] @ d["w_column"].T + d["b_column"]
-            z = d["x_row"] @ d["w_row"].T + d["b_row"]
-            column_grads = {"weight": np.einsum("bso,bsi->oi", d["dy_column"], d["x_column"]),
-                            "bias": d["dy_column"].sum(axis=(0, 1))}
-            row_grads = {"weight": np.einsum("bso,bsi->oi", d["dy_row"], d["x_row"]), "bias": d["dy_row"].sum(axis=(0, 1))}
-            for rank, outcome in enumerate(per_rank):
-                what = f"world {n}, rank {rank}"
-                close(outcome["y"], _slice(y, n, rank), f"{what}: ColumnParallelLinear's output")
-                partial = _slice(d["dy_column"], n, rank) @ _slice(d["w_column"], n, rank, 0)
-                if matches(outcome["x_grad"], partial):
-                    raise CheckFailed(f"{what}: ColumnParallelLinear passed back only this rank's part of dL/dx; the "
-                                      "input is used by every rank's columns, so its gradient is the sum over ranks: "
-                                      "apply f (copy_to_tensor_parallel) to the input")
-                close(outcome["x_grad"], d["dy_column"] @ d["w_column"], f"{what}: ColumnParallelLinear's input gradient")
-                if matches(outcome["z"], z + (n - 1) * d["b_row"]):
-                    raise CheckFailed(f"{what}: RowParallelLinear's output holds the bias {n} times: every rank added "
-                                      "it before the all-reduce; add it once, after the sum")
-                close(outcome["z"], z, f"{what}: RowParallelLinear's output")
-                close(outcome["x_shard_grad"], _slice(d["dy_row"] @ d["w_row"], n, rank),
-                       f"{what}: RowParallelLinear's input-shard gradient")
-                bias = [p for p in outcome["row"] if np.shape(p["value"]) == d["b_row"].shape
-                        and np.array_equal(p["value"], data["b_row"])]
-                if bias and bias[0]["grad"] is None:
-                    raise CheckFailed(f"{what}: RowParallelLinear's bias got no gradient on this rank; every rank must "
-                                      "add the whole bias to the all-reduced output, once, after the sum")
-                if bias and not matches(bias[0]["grad"], row_grads["bias"]):
-                    rows = data["x_row"].shape[0] * data["x_row"].shape[1]
-                    # a diagnosis only where the gradient is that multiple; both when b·s = t makes them coincide
-                    causes = scaled_gradient_causes(bias[0]["grad"], row_grads["bias"], n, rows)
-                    hint = ("it is " + "; or it is ".join(causes)) if causes else \
-                        "the bias must be added by every rank, after the sum"
-                    raise CheckFailed(f"{what}: the gradient of RowParallelLinear's bias differs from the dense layer's "
-                                      f"({hint}); add the whole bias once to the all-reduced output, on every rank")
-            judge_shards(DenseParameters({"weight": data["w_column"], "bias": data["b_column"]}), column_grads,
-                         [o["column"] for o in per_rank], {"weight", "bias"}, f"ColumnParallelLinear (world {n})")
-            judge_shards(DenseParameters({"weight": data["w_row"], "bias": data["b_row"]}), row_grads,
-                         [o["row"] for o in per_rank], {"weight"}, f"RowParallelLinear (world {n})")
-            for rank, outcome in enumerate(per_rank):
-                events, what = outcome["events"], f"world {n}, rank {rank}"
-                expect_collectives(events, "column forward", "column backward", {},
-                                    f"{what}: ColumnParallelLinear's forward",
-                                    "its input is whole on every rank and each rank computes its own columns")
-                expect_collectives(events, "column backward", "row forward", {"all_reduce": [data["x_column"].nbytes]},
-                                    f"{what}: ColumnParallelLinear's backward", "one all-reduce of dL/dx (f)")
-                expect_collectives(events, "row forward", "row backward", {"all_reduce": [data["dy_row"].nbytes]},
-                                    f"{what}: RowParallelLinear's forward",
-                                    "one all-reduce adds the ranks' partial products (g); a column split of W needs "
-                                    "all-gathers instead")
-                expect_collectives(events, "row backward", "done", {}, f"{what}: RowParallelLinear's backward")
-        raise_world_failure(failure)
-        return ("on 2 and 4 ranks (features not divisible by t): outputs, input, weight and bias gradients equal the "
-                "dense layer's; the row layer adds its bias once; one all-reduce each, in backward (column) and "
-                "forward (row)")
+    def judge_world(self, world, per_rank) -> None:
+        n, data = world
+        d = {k: v.astype(np.float64) for k, v in data.items()}
+        y = d["x_column"] @ d["w_column"].T + d["b_column"]
+        z = d["x_row"] @ d["w_row"].T + d["b_row"]
+        column_grads = {"weight": np.einsum("bso,bsi->oi", d["dy_column"], d["x_column"]),
+                        "bias": d["dy_column"].sum(axis=(0, 1))}
+        row_grads = {"weight": np.einsum("bso,bsi->oi", d["dy_row"], d["x_row"]), "bias": d["dy_row"].sum(axis=(0, 1))}
+        for rank, outcome in enumerate(per_rank):
+            what = f"world {n}, rank {rank}"
+            close(outcome["y"], _slice(y, n, rank), f"{what}: ColumnParallelLinear's output")
+            partial = _slice(d["dy_column"], n, rank) @ _slice(d["w_column"], n, rank, 0)
+            if matches(outcome["x_grad"], partial):
+                raise CheckFailed(f"{what}: ColumnParallelLinear passed back only this rank's part of dL/dx; the "
+                                  "input is used by every rank's columns, so its gradient is the sum over ranks: "
+                                  "apply f (copy_to_tensor_parallel) to the input")
+            close(outcome["x_grad"], d["dy_column"] @ d["w_column"], f"{what}: ColumnParallelLinear's input gradient")
+            if matches(outcome["z"], z + (n - 1) * d["b_row"]):
+                raise CheckFailed(f"{what}: RowParallelLinear's output holds the bias {n} times: every rank added "
+                                  "it before the all-reduce; add it once, after the sum")
+            close(outcome["z"], z, f"{what}: RowParallelLinear's output")
+            close(outcome["x_shard_grad"], _slice(d["dy_row"] @ d["w_row"], n, rank),
+                   f"{what}: RowParallelLinear's input-shard gradient")
+            bias = [p for p in outcome["row"] if np.shape(p["value"]) == d["b_row"].shape
+                    and np.array_equal(p["value"], data["b_row"])]
+            if bias and bias[0]["grad"] is None:
+                raise CheckFailed(f"{what}: RowParallelLinear's bias got no gradient on this rank; every rank must "
+                                  "add the whole bias to the all-reduced output, once, after the sum")
+            if bias and not matches(bias[0]["grad"], row_grads["bias"]):
+                rows = data["x_row"].shape[0] * data["x_row"].shape[1]
+                # a diagnosis only where the gradient is that multiple; both when b·s = t makes them coincide
+                causes = scaled_gradient_causes(bias[0]["grad"], row_grads["bias"], n, rows)
+                hint = ("it is " + "; or it is ".join(causes)) if causes else \
+                    "the bias must be added by every rank, after the sum"
+                raise CheckFailed(f"{what}: the gradient of RowParallelLinear's bias differs from the dense layer's "
+                                  f"({hint}); add the whole bias once to the all-reduced output, on every rank")
+        judge_shards(DenseParameters({"weight": data["w_column"], "bias": data["b_column"]}), column_grads,
+                     [o["column"] for o in per_rank], {"weight", "bias"}, f"ColumnParallelLinear (world {n})")
+        judge_shards(DenseParameters({"weight": data["w_row"], "bias": data["b_row"]}), row_grads,
+                     [o["row"] for o in per_rank], {"weight"}, f"RowParallelLinear (world {n})")
+        for rank, outcome in enumerate(per_rank):
+            events, what = outcome["events"], f"world {n}, rank {rank}"
+            expect_collectives(events, "column forward", "column backward", {},
+                                f"{what}: ColumnParallelLinear's forward",
+                                "its input is whole on every rank and each rank computes its own columns")
+            expect_collectives(events, "column backward", "row forward", {"all_reduce": [data["x_column"].nbytes]},
+                                f"{what}: ColumnParallelLinear's backward", "one all-reduce of dL/dx (f)")
+            expect_collectives(events, "row forward", "row backward", {"all_reduce": [data["dy_row"].nbytes]},
+                                f"{what}: RowParallelLinear's forward",
+                                "one all-reduce adds the ranks' partial products (g); a column split of W needs "
+                                "all-gathers instead")
+            expect_collectives(events, "row backward", "done", {}, f"{what}: RowParallelLinear's backward")

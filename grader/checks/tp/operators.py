@@ -9,7 +9,7 @@ from dtp.common.traffic import CommunicationLog
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
-from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+from ..common import WorldsCheck, events_as_data, run_worlds
 from .shared import close, expect_collectives, leaf, matches, run_backward
 
 # --- 1. numpy MLP over simulated ranks -------------------------------------------------------------
@@ -163,7 +163,7 @@ def _judge_untouched(handed: dict, arrays: dict, sums: dict, rank: int, what: st
 
 
 @exercise("tp.f_and_g", points=2)
-class FAndG(Check):
+class FAndG(WorldsCheck):
     """Verifies: on gloo worlds of 2 and 3 with different inputs and upstream gradients on every
     rank, f returns its input and its backward returns the sum of the ranks' gradients; g returns
     the sum of the ranks' inputs and its backward returns the rank's own gradient; f issues one
@@ -176,7 +176,8 @@ class FAndG(Check):
 
     reads = ("copy_to_tensor_parallel", "reduce_from_tensor_parallel")
     timeout_s = 40
-    runs_world = True
+    summary = ("f: identity forward, one all-reduce (sum) backward; g: one all-reduce forward, identity backward; "
+               "checked with different inputs and gradients on 2 and 3 ranks")
 
     def prepare(self, rng):
         worlds = []
@@ -190,41 +191,37 @@ class FAndG(Check):
         return run_worlds(_f_and_g_on_rank, [(n, (student.copy_to_tensor_parallel, student.reduce_from_tensor_parallel,
                                                   arrays)) for n, arrays in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, arrays), per_rank in zip(worlds, done):
-            sums = {k: np.sum(np.array(v, dtype=np.float64), axis=0) for k, v in arrays.items()}
-            nbytes = arrays["x_f"][0].nbytes
-            for rank, outcome in enumerate(per_rank):
-                what = f"world {n}, rank {rank}"
-                _judge_untouched(outcome["handed"], arrays, sums, rank, what)
-                if matches(outcome["f"], sums["x_f"]):
-                    raise CheckFailed(f"{what}: f returned the sum over ranks; f is the identity in forward (its "
-                                      "input is already whole on every rank); the forward all-reduce is g's")
-                close(outcome["f"], arrays["x_f"][rank], f"{what}: f(x), which should be x unchanged")
-                if outcome["f_grad"] is not None and matches(outcome["f_grad"], arrays["dy_f"][rank]):
-                    raise CheckFailed(f"{what}: f's backward returned the rank's own gradient; x is used on every "
-                                      "rank, so dL/dx is the sum of every rank's gradient: all-reduce it")
-                if outcome["f_grad"] is not None and matches(outcome["f_grad"], sums["dy_f"] / n):
-                    raise CheckFailed(f"{what}: f's backward averaged the gradients; sum them (dist.all_reduce's default)")
-                expect(outcome["f_grad"] is not None, f"{what}: no gradient reached f's input")
-                close(outcome["f_grad"], sums["dy_f"], f"{what}: the gradient f passes back, which should be the sum")
-                if matches(outcome["g"], arrays["x_g"][rank]):
-                    raise CheckFailed(f"{what}: g returned its input; g sums the ranks' partial results in forward")
-                close(outcome["g"], sums["x_g"], f"{what}: g(x), which should be the sum over ranks")
-                expect(outcome["g_grad"] is not None, f"{what}: no gradient reached g's input")
-                if matches(outcome["g_grad"], sums["dy_g"]):
-                    raise CheckFailed(f"{what}: g's backward all-reduced the gradient; g's output is the same on every "
-                                      "rank, so each rank already holds the whole gradient: pass it through unchanged "
-                                      "(torch.distributed.nn.functional.all_reduce is not g: it all-reduces in backward "
-                                      "too)")
-                close(outcome["g_grad"], arrays["dy_g"][rank], f"{what}: the gradient g passes back, which should be "
-                                                                  "the rank's own, unchanged")
-                events, one = outcome["events"], {"all_reduce": [nbytes]}
-                expect_collectives(events, "f forward", "f backward", {}, f"{what}: f's forward")
-                expect_collectives(events, "f backward", "g forward", one, f"{what}: f's backward")
-                expect_collectives(events, "g forward", "g backward", one, f"{what}: g's forward")
-                expect_collectives(events, "g backward", "done", {}, f"{what}: g's backward")
-        raise_world_failure(failure)
-        return ("f: identity forward, one all-reduce (sum) backward; g: one all-reduce forward, identity backward; "
-                "checked with different inputs and gradients on 2 and 3 ranks")
+    def judge_world(self, world, per_rank) -> None:
+        n, arrays = world
+        sums = {k: np.sum(np.array(v, dtype=np.float64), axis=0) for k, v in arrays.items()}
+        nbytes = arrays["x_f"][0].nbytes
+        for rank, outcome in enumerate(per_rank):
+            what = f"world {n}, rank {rank}"
+            _judge_untouched(outcome["handed"], arrays, sums, rank, what)
+            if matches(outcome["f"], sums["x_f"]):
+                raise CheckFailed(f"{what}: f returned the sum over ranks; f is the identity in forward (its "
+                                  "input is already whole on every rank); the forward all-reduce is g's")
+            close(outcome["f"], arrays["x_f"][rank], f"{what}: f(x), which should be x unchanged")
+            if outcome["f_grad"] is not None and matches(outcome["f_grad"], arrays["dy_f"][rank]):
+                raise CheckFailed(f"{what}: f's backward returned the rank's own gradient; x is used on every "
+                                  "rank, so dL/dx is the sum of every rank's gradient: all-reduce it")
+            if outcome["f_grad"] is not None and matches(outcome["f_grad"], sums["dy_f"] / n):
+                raise CheckFailed(f"{what}: f's backward averaged the gradients; sum them (dist.all_reduce's default)")
+            expect(outcome["f_grad"] is not None, f"{what}: no gradient reached f's input")
+            close(outcome["f_grad"], sums["dy_f"], f"{what}: the gradient f passes back, which should be the sum")
+            if matches(outcome["g"], arrays["x_g"][rank]):
+                raise CheckFailed(f"{what}: g returned its input; g sums the ranks' partial results in forward")
+            close(outcome["g"], sums["x_g"], f"{what}: g(x), which should be the sum over ranks")
+            expect(outcome["g_grad"] is not None, f"{what}: no gradient reached g's input")
+            if matches(outcome["g_grad"], sums["dy_g"]):
+                raise CheckFailed(f"{what}: g's backward all-reduced the gradient; g's output is the same on every "
+                                  "rank, so each rank already holds the whole gradient: pass it through unchanged "
+                                  "(torch.distributed.nn.functional.all_reduce is not g: it all-reduces in backward "
+                                  "too)")
+            close(outcome["g_grad"], arrays["dy_g"][rank], f"{what}: the gradient g passes back, which should be "
+                                                              "the rank's own, unchanged")
+            events, one = outcome["events"], {"all_reduce": [nbytes]}
+            expect_collectives(events, "f forward", "f backward", {}, f"{what}: f's forward")
+            expect_collectives(events, "f backward", "g forward", one, f"{what}: f's backward")
+            expect_collectives(events, "g forward", "g backward", one, f"{what}: g's forward")
+            expect_collectives(events, "g backward", "done", {}, f"{what}: g's backward")

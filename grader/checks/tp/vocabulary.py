@@ -10,8 +10,8 @@ from dtp.common.traffic import CommunicationLog
 from dtp.tp import tensor_parallel as tp
 
 from ...compare import CheckFailed, expect, expect_close
-from ...registry import Check, exercise
-from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, events_as_data, run_worlds
 from .shared import (
     DTENSOR_TP,
     DenseParameters,
@@ -50,7 +50,7 @@ def _vocabulary_on_rank(rank, world_size, embedding_class, cross_entropy, data):
 
 
 @exercise("tp.vocab_parallel", points=4)
-class VocabParallel(Check):
+class VocabParallel(WorldsCheck):
     """Verifies: on 2 and 3 ranks with a vocabulary not divisible by t, VocabParallelEmbedding
     returns the dense embedding's rows with one all-reduce in forward and none in backward, each
     rank holding its rows of the table with the dense gradient; vocab_parallel_cross_entropy
@@ -67,7 +67,9 @@ class VocabParallel(Check):
     reads = ("VocabParallelEmbedding", "vocab_parallel_cross_entropy")
     references = DTENSOR_TP
     timeout_s = 40
-    runs_world = True
+    summary = ("embedding and per-token cross-entropy equal the dense ones in value and gradient on 2 and 3 ranks "
+               "(uneven vocabulary shards, logits near 100); the loss all-reduces at most 3 numbers per token and no "
+               "rank ever creates a tensor of the vocabulary's size")
 
     def prepare(self, rng):
         worlds = []
@@ -87,15 +89,10 @@ class VocabParallel(Check):
         return run_worlds(_vocabulary_on_rank, [(n, (student.VocabParallelEmbedding, student.vocab_parallel_cross_entropy,
                                                      data)) for n, data in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, data), per_rank in zip(worlds, done):
-            self._judge_embedding(n, data, per_rank)
-            self._judge_loss(n, data, per_rank)
-        raise_world_failure(failure)
-        return ("embedding and per-token cross-entropy equal the dense ones in value and gradient on 2 and 3 ranks "
-                "(uneven vocabulary shards, logits near 100); the loss all-reduces at most 3 numbers per token and no "
-                "rank ever creates a tensor of the vocabulary's size")
+    def judge_world(self, world, per_rank) -> None:
+        n, data = world
+        self._judge_embedding(n, data, per_rank)
+        self._judge_loss(n, data, per_rank)
 
     @staticmethod
     def _judge_embedding(n, data, per_rank) -> None:

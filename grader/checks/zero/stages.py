@@ -17,24 +17,22 @@ from dtp.zero import formulas as zero
 from dtp.zero import runs as zero_runs
 
 from ...compare import CheckFailed, expect, expect_close
-from ...registry import Check, exercise
-from ..common import completed_worlds, raise_world_failure, run_worlds
+from ...registry import exercise
+from ..common import WorldsCheck, run_worlds
+from .judging import ITEM, STEPS, ZeroJudge, bytes_between
 
-BETAS = zero_runs.ADAM["betas"]
-STEPS = zero_runs.STEPS
-FSDP_REFERENCES = ("torch.distributed.fsdp.fully_shard", "torch.distributed.fsdp.FullyShardedDataParallel")
 ZERO_OPTIMIZER = "torch.distributed.optim.ZeroRedundancyOptimizer"
-ALLOWED_OPS = {"all_gather", "reduce_scatter", "wait", "mark"}
 
 
 def _parameter_sizes(sizes) -> list[int]:
     return [p.numel() for p in tiny_mlp(sizes).parameters()]
 
 
-class StageJudge:
-    """Judges one world of one stage. Each property is checked on every rank before the next, so
-    that the feedback names the most basic mistake: what was called, how it was sharded, where
-    Adam's state lives, how the gradients were averaged, the numbers, then what else was held."""
+class StageJudge(ZeroJudge):
+    """Judges one world of ZeRO-1 or ZeRO-2 (see ZeroJudge for the order)."""
+
+    no_state = ("no torch.optim.Adam holds Adam's state on some rank: step your piece of the weights with "
+                "torch.optim.Adam, so that its state is this rank's piece only")
 
     def __init__(self, stage: int, n: int, sizes, seed: int, batch_seed: int, per_rank: list[dict], what: str):
         self.stage, self.n, self.sizes, self.per_rank, self.what = stage, n, sizes, per_rank, what
@@ -48,39 +46,7 @@ class StageJudge:
     def name(self) -> str:
         return f"{self.what} (world {self.n})"
 
-    def judge(self) -> None:
-        for rank, outcome in enumerate(self.per_rank):
-            expect(len(outcome["losses"]) == STEPS, f"{self.name}: rank {rank} did not complete {STEPS} steps")
-            self.operations(rank, outcome)
-        for rank, outcome in enumerate(self.per_rank):
-            self.layout(rank, outcome)
-        for rank, outcome in enumerate(self.per_rank):
-            self.optimizer_state(rank, outcome)
-        self.averaging()
-        self.trajectory()
-        for rank, outcome in enumerate(self.per_rank):
-            self.memory(rank, outcome)
-
-    # --- what was called ---
-    def operations(self, rank: int, outcome: dict) -> None:
-        for events in outcome["events"]:
-            used = {e["op"] for e in events} - ALLOWED_OPS
-            if "all_reduce" in used:
-                raise CheckFailed(
-                    f"{self.name}: rank {rank} called all_reduce. ZeRO averages gradients with a reduce-scatter, so "
-                    "that each rank receives only the average of its own piece ((n-1)/n·Ψ sent); an all-reduce sends "
-                    "twice that, and the all-gather of the weights comes on top")
-            expect(not used, f"{self.name}: rank {rank} called {', '.join(sorted(used))}; ZeRO needs only "
-                             "reduce-scatter (gradients) and all-gather (weights)")
-
     # --- how it was sharded ---
-    @staticmethod
-    def gathered_between(events, start: str, stop: str) -> list[int]:
-        """Pieces (elements) all-gathered between two marks of a step."""
-        labels = [e.get("label") for e in events]
-        begin, end = labels.index(start), labels.index(stop)
-        return [e["bytes"] // zero.FP32_ITEMSIZE for e in events[begin:end] if e["op"] == "all_gather"]
-
     def layout(self, rank: int, outcome: dict) -> None:
         n = self.n
         for step, events in enumerate(outcome["events"], 1):
@@ -104,56 +70,19 @@ class StageJudge:
                 self.scattered_during_backward(rank, step, events)
 
     def scattered_during_backward(self, rank: int, step: int, events) -> None:
-        labels = [e.get("label") for e in events]
-        late = [e for e in events[labels.index("step"):] if e["op"] == "reduce_scatter"]
+        late = bytes_between(events, "step", "end", "reduce_scatter")
         expect(not late, f"{self.name}: rank {rank} reduce-scattered gradients after backward (in step {step}): "
                          f"ZeRO-{self.stage} reduce-scatters each gradient during backward, as soon as it is produced "
                          "(a post-accumulate-grad hook), so that the full gradients never exist together")
 
-    # --- where Adam's state lives, and how the gradients were averaged ---
     def shard_elements(self) -> int:
         return sum(zero.shard_numel(u, self.n) for u in self.units)
-
-    def optimizer_state(self, rank: int, outcome: dict) -> None:
-        item, shard = zero.FP32_ITEMSIZE, self.shard_elements()
-        for step in range(1, STEPS):  # Adam's state exists from the first step on
-            held = outcome["held"][step]["optimizer states"]
-            where = f"{self.name}: rank {rank} after backward in step {step + 1}"
-            if held >= 2 * item * self.psi:
-                raise CheckFailed(f"{where} holds {held} bytes of Adam state: that covers all the parameters. Each "
-                                  f"rank must update only its piece, with Adam state for it alone: 2·4·{shard} = "
-                                  f"{2 * item * shard} bytes")
-            expect(held == 2 * item * shard, f"{where} holds {held} bytes of Adam state; for its pieces ({shard} "
-                                             f"elements, padding included) Adam keeps two fp32 moments, "
-                                             f"{2 * item * shard} bytes")
-
-    def averaging(self) -> None:
-        found = [o["exp_avg"] for o in self.per_rank]
-        if any(value is None for value in found):
-            raise CheckFailed(f"{self.name}: no torch.optim.Adam holds Adam's state on some rank: step your piece "
-                              "of the weights with torch.optim.Adam, so that its state is this rank's piece only")
-        # Adam's first momentum is (1 - beta1)·g: summed over the ranks' pieces it shows how g was scaled.
-        ratio = sum(found) / ((1 - BETAS[0]) * self.reference["first gradient"])
-        n = self.n
-        if abs(ratio - n) < 0.02 * n:
-            raise CheckFailed(f"{self.name}: the gradients Adam stepped with are {ratio:.2f}x the average: the "
-                              "reduce-scatter sums; divide by the world size (Adam hides most of this bug: its "
-                              "update barely changes when every gradient is scaled)")
-        if abs(ratio - 1 / n) < 0.02 / n:
-            raise CheckFailed(f"{self.name}: the gradients Adam stepped with are 1/{n} of the average: you divided by "
-                              "the world size twice (Adam hides most of this bug: its update barely changes when "
-                              "every gradient is scaled)")
-        expect(abs(ratio - 1) < 1e-3, f"{self.name}: the gradients Adam stepped with add up to {ratio:.3g}x the "
-                                      "average gradient: each rank must step with the average over ranks of its piece")
 
     # --- the numbers ---
     def trajectory(self) -> None:
         for rank, outcome in enumerate(self.per_rank):
             for step in range(STEPS):
-                wanted = self.reference["losses"][step][rank]
-                expect(abs(outcome["losses"][step] - wanted) <= 1e-4 * (1 + abs(wanted)),
-                       f"{self.name}: rank {rank}'s loss in step {step + 1} is {outcome['losses'][step]:.6g}, plain "
-                       f"data-parallel Adam gives {wanted:.6g}")
+                self.loss(rank, step, outcome)
                 self.compare_state(rank, step, outcome)
 
     def compare_state(self, rank: int, step: int, outcome: dict) -> None:
@@ -172,7 +101,7 @@ class StageJudge:
 
     # --- what else was held ---
     def memory(self, rank: int, outcome: dict) -> None:
-        n, psi, item = self.n, self.psi, zero.FP32_ITEMSIZE
+        n, psi, item = self.n, self.psi, ITEM
         shard = self.shard_elements()
         padded = n * shard
         for step in range(1, STEPS):
@@ -192,9 +121,7 @@ class StageJudge:
                 expect(held["gradients"] in (item * psi, item * padded),
                        f"{where} holds {held['gradients']} bytes of gradients; ZeRO-1 keeps the full gradients that "
                        f"backward produced, {item * psi} bytes, and makes the averaged pieces only in step()")
-            expect(held["other"] == 0,
-                   f"{where} keeps {held['other']} bytes in tensors that are neither weights, gradients nor optimizer "
-                   f"state ({'; '.join(held['other paths'])}): free buffers once a collective is done")
+            self.nothing_else(where, held, "free buffers once a collective is done")
 
     def gradients_freed(self, rank: int, step: int, outcome: dict) -> None:
         left = outcome["full grads after backward"][step]
@@ -202,7 +129,7 @@ class StageJudge:
                           "full gradients: ZeRO-2 keeps only the averaged piece; once a gradient is reduce-scattered, "
                           "drop it (parameter.grad = None) and keep no other reference to it")
         peak = outcome["grad peak"][step]
-        expect(peak < zero.FP32_ITEMSIZE * self.psi,
+        expect(peak < ITEM * self.psi,
                f"{self.name}: during backward in step {step + 1} rank {rank} held all {peak} bytes of full gradients "
                "at once: reduce-scatter each gradient as backward produces it (a post-accumulate-grad hook) and "
                "free it there")
@@ -235,16 +162,14 @@ def _stage_inputs(rng, world_sizes, layers: int) -> list[tuple]:
     return worlds
 
 
-class ZeroStageCheck(Check):
+class ZeroStageCheck(WorldsCheck):
     """One ZeRO stage trained on gloo worlds of the given sizes and judged world by world."""
 
     stage = 0
     name = ""
     layers = 3
     world_sizes: tuple[int, ...] = ()
-    judge_class = StageJudge
     timeout_s = 60
-    runs_world = True
 
     def prepare(self, rng):
         return _stage_inputs(rng, self.world_sizes, self.layers)
@@ -254,12 +179,8 @@ class ZeroStageCheck(Check):
         return run_worlds(zero_runs.train_zero_rank, [(n, (self.stage, make, sizes, seed, batch_seed))
                                                          for n, sizes, seed, batch_seed in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, sizes, seed, batch_seed), per_rank in zip(worlds, done):
-            self.judge_class(self.stage, n, sizes, seed, batch_seed, per_rank, self.name).judge()
-        raise_world_failure(failure)
-        return self.summary
+    def judge_world(self, world, per_rank) -> None:
+        StageJudge(self.stage, *world, per_rank, self.name).judge()
 
 
 @exercise("zero.zero1", points=3)

@@ -16,12 +16,9 @@ from dtp.zero import formulas as zero
 from dtp.zero import runs as zero_runs
 
 from ...compare import CheckFailed, expect, expect_close
-from ...registry import Check, exercise
-from ..common import completed_worlds, raise_world_failure, run_worlds
-from .stages import ALLOWED_OPS, FSDP_REFERENCES
-
-STEPS = zero_runs.STEPS
-ITEM = zero.FP32_ITEMSIZE
+from ...registry import exercise
+from ..common import WorldsCheck, run_worlds
+from .judging import FSDP_REFERENCES, ITEM, STEPS, ZeroJudge, bytes_between
 
 
 def unit_sizes(config, seed: int = 0) -> tuple[list[list[str]], list[int]]:
@@ -32,10 +29,15 @@ def unit_sizes(config, seed: int = 0) -> tuple[list[list[str]], list[int]]:
     return units, [sum(parameters[name].numel() for name in unit) for unit in units]
 
 
-class GPTZero3Judge:
-    """One world. Each property is checked on every rank before the next, so that the feedback
-    names the most basic mistake first: what was called, the pieces, what was gathered when,
-    Adam's state, the averaging, the numbers, then what was held."""
+class GPTZero3Judge(ZeroJudge):
+    """One world (see ZeroJudge for the order; the collectives are judged after the pieces)."""
+
+    optimizer, betas, reference_run = "AdamW", zero_runs.ADAMW["betas"], "data-parallel AdamW"
+    needs = ("ZeRO-3 needs only all-gathers (weights, before forward and again before backward) and reduce-scatters "
+             "(gradients)")
+    no_state = "AdamW holds no state on some rank: are the pieces the module's parameters?"
+    state_advice = ": the module's parameters must be the pieces only"
+    per_rank_steps = ("layout", "collectives")
 
     def __init__(self, n: int, config, seed: int, batch_seed: int, per_rank: list[dict]):
         self.n, self.config, self.per_rank = n, config, per_rank
@@ -48,27 +50,8 @@ class GPTZero3Judge:
         self.name = (f"ZeRO3Module (world {n}, a GPT of {layers} blocks, hidden {hidden}, vocabulary {vocab}, "
                      "tied embeddings)")
 
-    def judge(self) -> None:
-        for rank, outcome in enumerate(self.per_rank):
-            expect(len(outcome["losses"]) == STEPS, f"{self.name}: rank {rank} did not complete {STEPS} steps")
-            self.operations(rank, outcome)
-        for rank, outcome in enumerate(self.per_rank):
-            self.layout(rank, outcome)
-        for rank, outcome in enumerate(self.per_rank):
-            self.collectives(rank, outcome)
-        for rank, outcome in enumerate(self.per_rank):
-            self.optimizer_state(rank, outcome)
-        self.averaging()
-        self.trajectory()
-        for rank, outcome in enumerate(self.per_rank):
-            self.memory(rank, outcome)
-
-    def operations(self, rank: int, outcome: dict) -> None:
-        for events in outcome["events"]:
-            used = {e["op"] for e in events} - ALLOWED_OPS
-            expect(not used, f"{self.name}: rank {rank} called {', '.join(sorted(used))}; ZeRO-3 needs only "
-                             "all-gathers (weights, before forward and again before backward) and reduce-scatters "
-                             "(gradients)")
+    def shard_elements(self) -> int:
+        return sum(self.pieces)
 
     def layout(self, rank: int, outcome: dict) -> None:
         sizes = [int(np.size(piece)) for piece in outcome["states"][0]]
@@ -77,21 +60,16 @@ class GPTZero3Judge:
                f"per unit, ceil(u/{self.n}) elements of each unit's u: {self.pieces} (the blocks in order, then the "
                "root with what the blocks leave, the tied embedding once)")
 
-    @staticmethod
-    def between(events, start: str, stop: str, op: str) -> list[int]:
-        labels = [e.get("label") for e in events]
-        return [e["bytes"] for e in events[labels.index(start):labels.index(stop)] if e["op"] == op]
-
     def collectives(self, rank: int, outcome: dict) -> None:
         expected = sorted(ITEM * c for c in self.pieces)
         for step, events in enumerate(outcome["events"], 1):
             where = f"{self.name}: rank {rank} in step {step}"
-            forward = sorted(self.between(events, "forward", "backward", "all_gather"))
+            forward = sorted(bytes_between(events, "forward", "backward", "all_gather"))
             expect(forward == expected,
                    f"{where} all-gathered pieces of {forward} bytes in forward; each unit's piece ({expected} bytes) "
                    "should be all-gathered once, just before the unit runs (a forward pre-hook)")
-            again = sorted(self.between(events, "backward", "step", "all_gather"))
-            first = sorted(self.between(outcome["events"][0], "backward", "step", "all_gather"))
+            again = sorted(bytes_between(events, "backward", "step", "all_gather"))
+            first = sorted(bytes_between(outcome["events"][0], "backward", "step", "all_gather"))
             if again != expected and step > 1 and first == expected:
                 raise CheckFailed(
                     f"{where} all-gathered pieces of {again} bytes during backward, where step 1 gathered every "
@@ -109,8 +87,8 @@ class GPTZero3Judge:
                     f"(here up to {peak} of the {ITEM * self.psi} bytes of weights at once): free each unit's weights "
                     "after its forward, leave autograd a marker instead (saved_tensors_hooks), and gather the unit "
                     "again when backward first needs it")
-            scattered = sorted(self.between(events, "backward", "step", "reduce_scatter"))
-            late = self.between(events, "step", "end", "reduce_scatter")
+            scattered = sorted(bytes_between(events, "backward", "step", "reduce_scatter"))
+            late = bytes_between(events, "step", "end", "reduce_scatter")
             expect(not late, f"{where} reduce-scattered after backward: reduce-scatter each unit's gradient during "
                              "backward, as soon as it is complete (in the backward of the gather)")
             expect(scattered == sorted(ITEM * self.n * c for c in self.pieces),
@@ -118,37 +96,10 @@ class GPTZero3Judge:
                    f"{self.n}·ceil(u/{self.n}) elements, should be reduce-scattered once "
                    f"({sorted(ITEM * self.n * c for c in self.pieces)} bytes)")
 
-    def optimizer_state(self, rank: int, outcome: dict) -> None:
-        shard = sum(self.pieces)
-        for step in range(1, STEPS):
-            held = outcome["held"][step]["optimizer states"]
-            expect(held == 2 * ITEM * shard,
-                   f"{self.name}: rank {rank} after backward in step {step + 1} holds {held} bytes of AdamW state; "
-                   f"for its pieces ({shard} elements) AdamW keeps two fp32 moments, {2 * ITEM * shard} bytes: "
-                   "the module's parameters must be the pieces only")
-
-    def averaging(self) -> None:
-        found = [o["exp_avg"] for o in self.per_rank]
-        expect(all(value is not None for value in found),
-               f"{self.name}: AdamW holds no state on some rank: are the pieces the module's parameters?")
-        ratio = sum(found) / ((1 - zero_runs.ADAMW["betas"][0]) * self.reference["first gradient"])
-        n = self.n
-        if abs(ratio - n) < 0.02 * n:
-            raise CheckFailed(f"{self.name}: the gradients AdamW stepped with are {ratio:.2f}x the average: the "
-                              "reduce-scatter sums; divide by the world size")
-        if abs(ratio - 1 / n) < 0.02 / n:
-            raise CheckFailed(f"{self.name}: the gradients AdamW stepped with are 1/{n} of the average: you divided "
-                              "by the world size twice")
-        expect(abs(ratio - 1) < 1e-3, f"{self.name}: the gradients AdamW stepped with add up to {ratio:.3g}x the "
-                                      "average gradient: each rank must step with the average over ranks of its piece")
-
     def trajectory(self) -> None:
         for step in range(STEPS):
             for rank, outcome in enumerate(self.per_rank):
-                wanted = self.reference["losses"][step][rank]
-                expect(abs(outcome["losses"][step] - wanted) <= 1e-4 * (1 + abs(wanted)),
-                       f"{self.name}: rank {rank}'s loss in step {step + 1} is {outcome['losses'][step]:.6g}, "
-                       f"data-parallel AdamW gives {wanted:.6g}")
+                self.loss(rank, step, outcome)
             full = zero.unshard([o["states"][step] for o in self.per_rank], self.sizes)
             for unit, names, got in zip(range(len(self.units)), self.units, full):
                 wanted = np.concatenate([np.ravel(self.reference["states"][step][name]) for name in names])
@@ -181,10 +132,8 @@ class GPTZero3Judge:
             expect(held["gradients"] == ITEM * shard,
                    f"{what} holds {held['gradients']} bytes of gradients; the pieces' averaged gradients are "
                    f"{ITEM * shard} bytes")
-            expect(held["other"] == 0,
-                   f"{what} keeps {held['other']} bytes in tensors that are neither weights, gradients nor optimizer "
-                   f"state ({'; '.join(held['other paths'])}): the model's own parameters must go once the pieces "
-                   "are made, and gathered weights once used")
+            self.nothing_else(what, held, "the model's own parameters must go once the pieces are made, and "
+                                          "gathered weights once used")
 
 
 def _needs_padding(config, n: int) -> bool:
@@ -192,7 +141,7 @@ def _needs_padding(config, n: int) -> bool:
 
 
 @exercise("zero.zero3", points=4)
-class ZeRO3(Check):
+class ZeRO3(WorldsCheck):
     """Verifies: on 3 and 4 ranks, a GPT drawn by the check (3 blocks, hidden 8 to 16, a
     vocabulary of 17 to 40, tied embeddings) wrapped by the learner's module with each block a unit
     and the root for the rest, trained by AdamW (weight decay 0.1) over its parameters, equals
@@ -211,7 +160,6 @@ class ZeRO3(Check):
     references = FSDP_REFERENCES + ("dtp.zero.sharded.ZeRO3",)
     world_sizes = (3, 4)
     timeout_s = 90
-    runs_world = True
     summary = ("3 AdamW steps of a GPT with tied embeddings equal data-parallel AdamW on 3 and 4 ranks; only pieces "
                "held, each unit (block, root) gathered just before forward and again in backward, at most two units "
                "gathered at once; 3(n-1)/n·Ψ sent per step")
@@ -233,9 +181,5 @@ class ZeRO3(Check):
         return run_worlds(zero_runs.train_zero3_gpt_rank, [(n, (make, config, seed, batch_seed))
                                                             for n, config, seed, batch_seed in worlds])
 
-    def judge(self, worlds, outcomes) -> str:
-        done, failure = completed_worlds(outcomes)
-        for (n, config, seed, batch_seed), per_rank in zip(worlds, done):
-            GPTZero3Judge(n, config, seed, batch_seed, per_rank).judge()
-        raise_world_failure(failure)
-        return self.summary
+    def judge_world(self, world, per_rank) -> None:
+        GPTZero3Judge(*world, per_rank).judge()

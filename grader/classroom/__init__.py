@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..notebook import UnusableInput
-from .assignment import Assignment, make_assignment
+from .assignment import NOT_HANDED_IN, Assignment, make_assignment
 from .submissions import Student, content_hash, find_students, printable, relative
 from .workers import Job, ResultsCache, grade_in_parallel, options_key
 
@@ -39,7 +39,6 @@ class GradedNotebook:
         return all(e["status"] == "missing" for e in self.report["exercises"])
 
 
-NOT_HANDED_IN = "not handed in"  # an exercise of a chapter the student handed no gradable notebook of
 
 
 @dataclass

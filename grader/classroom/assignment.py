@@ -11,6 +11,8 @@ from pathlib import Path
 
 from ..notebook import UnusableInput
 
+NOT_HANDED_IN = "not handed in"  # an exercise of a chapter the student handed no gradable notebook of
+
 
 @dataclass(frozen=True)
 class Assignment:

@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from . import NOT_HANDED_IN
+from .assignment import NOT_HANDED_IN
 from .workers import write_atomically
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..registry import CHAPTER_MODULES
-from . import NOT_HANDED_IN
+from .assignment import NOT_HANDED_IN
 from .chart import outcome_chart
 from .mistakes import MISTAKES_SHOWN, common_mistakes
 from .workers import write_atomically

@@ -245,13 +245,13 @@ def _search(visit: PageVisit) -> list[str]:
 
 def test_search_snippets_come_from_the_text_that_matched(browser):
     """A result that links to a section gets its snippet from that section, from the window that
-    holds the most of the query: for "ZeRO-3 prefetch" every snippet shows "prefetch" (the first one
-    both words), never only the first "ZeRO-3" of the page."""
+    holds the most of the query: for "ZeRO-3 prefetch" every snippet shows a term of the query, and
+    the first result (the best match) both, never the page's first "ZeRO-3" far from any prefetch."""
     visit = PageVisit(browser, f"{HTML.as_uri()}/search.html?q=ZeRO-3+prefetch", "file://")
     try:
         snippets = [snippet.lower() for snippet in _search(visit)]
-        assert all("prefetch" in snippet for snippet in snippets), snippets
-        assert "zero-3" in snippets[0], snippets[0]
+        assert all("prefetch" in snippet or "zero-3" in snippet for snippet in snippets), snippets
+        assert "zero-3" in snippets[0] and "prefetch" in snippets[0], snippets[0]
     finally:
         visit.close()
 

@@ -253,6 +253,19 @@ def collective_matmul_exposed(allgather_time: float, gemm_time: float, chunks: i
     return t * piece_overhead + (t - 1) * exposed(allgather_time / (t - 1) + alpha, piece, contention)
 
 
+def collective_matmul_program(allgather_time: float, gemm_time: float, chunks: int, alpha: float = 0.0) -> list:
+    """Collective matmul as a program: at each of the t steps but the last, the ring transfer of
+    the next piece (A/(t-1) + alpha) issued, then this piece's product (G/t), then the wait."""
+    program = []
+    for step in range(chunks):
+        if step < chunks - 1:
+            program.append(("issue", step, allgather_time / (chunks - 1) + alpha))
+        program.append(("compute", gemm_time / chunks))
+        if step < chunks - 1:
+            program.append(("wait", step))
+    return program
+
+
 # --- pipeline parallelism: messages between dependent stages -------------------------------------
 
 def pp_exposed(stages: int, micro_batches: int, message_time: float, forward_time: float = 1.0,

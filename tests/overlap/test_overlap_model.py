@@ -132,17 +132,6 @@ def test_fsdp_backward_closed_form_equals_the_program():
             overlap.program_exposed(fsdp_backward_program(units, g, r, b)))
 
 
-def collective_matmul_program(allgather, piece, chunks, alpha):
-    program = []
-    for step in range(chunks):
-        if step < chunks - 1:
-            program.append(("issue", step, allgather / (chunks - 1) + alpha))
-        program.append(("compute", piece))
-        if step < chunks - 1:
-            program.append(("wait", step))
-    return program
-
-
 def gemm_reduce_scatter_program(reduce_scatter, piece, chunks, alpha):
     """GEMM then reduce-scatter, decomposed: piece 0's partial sum computed with nothing in
     flight, then each partial sum sent on while the next piece computes."""
@@ -158,7 +147,7 @@ def test_collective_matmul_hides_all_but_what_the_gemm_cannot_cover():
     assert overlap.collective_matmul_exposed(6.0, 4.0, 4) == pytest.approx(3 * (2.0 - 1.0))
     for a, g, t, alpha, e in itertools.product([2.0, 6.0], [4.0, 12.0], [2, 3, 4, 8], [0.0, 0.4], [0.0, 0.18]):
         closed = overlap.collective_matmul_exposed(a, g, t, alpha, e)
-        assert closed == pytest.approx(overlap.program_exposed(collective_matmul_program(a, g / t, t, alpha), e))
+        assert closed == pytest.approx(overlap.program_exposed(overlap.collective_matmul_program(a, g, t, alpha), e))
         # GEMM then reduce-scatter, mirrored: the same exposure
         assert closed == pytest.approx(overlap.program_exposed(gemm_reduce_scatter_program(a, g / t, t, alpha), e))
 
@@ -187,7 +176,7 @@ def test_ep_two_micro_batches():
 def test_fsdp2_issue_order_on_the_pinned_torch_is_what_the_page_says():
     """The page states, from this run at build time: FSDP2 on CPU prefetches nothing in forward by
     default, everything in backward, and in forward too with set_modules_to_forward_prefetch."""
-    from dtp.overlap import measure as overlap_measure
+    from dtp.overlap import torch_facts as overlap_measure
 
     default = overlap_measure.fsdp2_events(forward_prefetch=False)
     explicit = overlap_measure.fsdp2_events(forward_prefetch=True)
@@ -198,7 +187,7 @@ def test_fsdp2_issue_order_on_the_pinned_torch_is_what_the_page_says():
 
 def test_the_issued_ahead_count_tells_prefetch_from_blocking_gathers():
     """On the course's own ZeRO-3 with prefetch, every gather after the first is issued ahead."""
-    from dtp.overlap import measure as overlap_measure
+    from dtp.overlap import torch_facts as overlap_measure
     from dtp.overlap.runs import zero3_prefetch_rank
     from dtp.common.world import run_world
     from grader.student import StudentCode

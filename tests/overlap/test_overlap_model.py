@@ -54,6 +54,16 @@ def test_contention_slows_the_overlapped_compute_only_while_the_collective_runs(
     assert overlap.schedule_time([("issue", 0, 15.0), ("compute", 10.0)], 0.5) == pytest.approx(15.0)
 
 
+def test_with_gradient_accumulation_only_the_last_micro_batchs_backward_hides_the_reduction():
+    """no_sync: buckets become ready only during the last micro-batch's backward, so B is one
+    micro-batch's backward; the page's example exposes more than m·B would suggest."""
+    c, b, m, buckets, alpha = 120.0, 100.0, 8, 25, 0.1
+    last = overlap.ddp_exposed(c, b, buckets, alpha)
+    assert last == pytest.approx(buckets * alpha + c - b * (buckets - 1) / buckets)  # the chain sticks out
+    whole = overlap.ddp_exposed(c, m * b, buckets, alpha)
+    assert whole == pytest.approx(alpha + c / buckets) and whole < last
+
+
 def test_ddp_with_contention_is_simulated_and_costs_more():
     plain = overlap.ddp_exposed(10.0, 40.0, 4, 0.2)
     contended = overlap.ddp_exposed(10.0, 40.0, 4, 0.2, overlap.GPU_CONTENTION)

@@ -16,7 +16,7 @@ assumes (gloo's default group has two threads and runs two collectives at once).
 starts all ranks at one instant (a CLOCK_MONOTONIC deadline, which every process on the machine
 shares), so that no rank's late start is counted as communication, and ends when the slowest
 rank ends; it is repeated and the median kept. `fit_alpha_beta` fits t = alpha + beta·bytes to
-one collective's times at several sizes and counts, on the same world.
+one collective's exposed times at several sizes, on the same world.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 REPEATS = 9  # the median of this many runs, after a warm-up
 START_AHEAD_S = 0.005  # rank 0 sets the common start this far ahead: every rank is waiting by then
+FIT_PAUSE_S = 0.002  # the compute before each collective the fit times, as the programs have one
 OPS = ("all_reduce", "all_gather", "all_to_all", "exchange")
 _links_made = 0  # each one_link() of a process gets its own keys in the world's store
 
@@ -120,33 +121,26 @@ def exposed_time(program, link, repeats: int = REPEATS) -> float:
     return statistics.median(differences)
 
 
-def fit_alpha_beta(link, op: str, sizes, runs=(1, 2, 4)) -> dict:
+def fit_alpha_beta(link, op: str, sizes) -> dict:
     """alpha (s) and beta (s per byte of the rank's input) of one collective on this world: at
-    each size (numel per rank), k of them issued back to back from a common start, for each k in
-    `runs`, their median times fitted by `alpha_beta_from_times`."""
-    numel, times = list(sizes), []
-    for n in numel:
-        for k in runs:
-            program = [step for i in range(k) for step in (("issue", i, op, n), ("wait", i))]
-            tensors = buffers(program)
-            times.append(median_time(lambda: run_program(program, link, tensors)))
-    fit = alpha_beta_from_times(numel, runs, times)
-    fit.update(op=op, numel=numel, runs=list(runs), times=[times[i * len(runs):(i + 1) * len(runs)]
-                                                          for i in range(len(numel))])
+    each size (numel per rank), the exposed time of one collective issued after a short compute
+    and waited on at once (`exposed_time`: the ranks start together, the compute's own time is
+    subtracted), as the programs issue theirs; a least-squares line through them."""
+    numel = list(sizes)
+    times = [exposed_time([("compute", FIT_PAUSE_S), ("issue", "x", op, n), ("wait", "x")], link) for n in numel]
+    fit = alpha_beta_from_times(numel, times)
+    fit.update(op=op, numel=numel, times=times)
     return fit
 
 
-def alpha_beta_from_times(numel, runs, times) -> dict:
-    """Least squares of t(k, n) = skew + k·(alpha + beta·4n) over every (size, k) in order: the
-    skew is what the common start costs once (one rank's sleep ends later than another's), alpha
-    and beta what each collective costs. alpha is never below 0 (refitted through 0 then)."""
-    rows = [(1.0, k, k * n * 4.0) for n in numel for k in runs]
-    design, observed = np.array(rows), np.array(times, dtype=float)
-    (skew, alpha, beta), *_ = np.linalg.lstsq(design, observed, rcond=None)
+def alpha_beta_from_times(numel, times) -> dict:
+    """The least-squares line t = alpha + beta·4n through one collective's times at sizes n
+    (float32 numel per rank); alpha is never below 0 (the line through 0 then)."""
+    nbytes, observed = np.array(numel, dtype=float) * 4, np.array(times, dtype=float)
+    beta, alpha = np.polyfit(nbytes, observed, 1)
     if alpha < 0:
-        (skew, beta), *_ = np.linalg.lstsq(design[:, [0, 2]], observed, rcond=None)
-        alpha = 0.0
-    return {"alpha": float(alpha), "beta": float(beta), "skew": float(skew)}
+        alpha, beta = 0.0, float(np.dot(nbytes, observed) / np.dot(nbytes, nbytes))
+    return {"alpha": float(alpha), "beta": float(beta)}
 
 
 def bandwidth_time(fit: dict, numel: int) -> float:

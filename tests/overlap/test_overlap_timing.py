@@ -9,16 +9,14 @@ from dtp.common.world import run_world
 from dtp.overlap import measure, model, timing
 
 
-def test_the_fit_recovers_alpha_beta_and_the_start_skew_and_never_a_negative_alpha():
-    numel, runs = [1000, 4000, 16000], (1, 2, 4)
-    alpha, beta, skew = 2e-4, 3e-9, 5e-4
-    times = [skew + k * (alpha + beta * 4 * n) for n in numel for k in runs]
-    fit = timing.alpha_beta_from_times(numel, runs, times)
+def test_the_fit_recovers_alpha_and_beta_and_never_a_negative_alpha():
+    numel = [1000, 4000, 16000]
+    alpha, beta = 2e-4, 3e-9
+    fit = timing.alpha_beta_from_times(numel, [alpha + beta * 4 * n for n in numel])
     assert fit["alpha"] == pytest.approx(alpha) and fit["beta"] == pytest.approx(beta)
-    assert fit["skew"] == pytest.approx(skew)
-    # a negative intercept per collective is noise: the line is refitted with alpha = 0
-    times = [skew + k * (-1e-4 + beta * 4 * n) for n in numel for k in runs]
-    assert timing.alpha_beta_from_times(numel, runs, times)["alpha"] == 0.0
+    # a negative intercept is noise: the line through 0 instead
+    fit = timing.alpha_beta_from_times(numel, [-1e-4 + beta * 4 * n for n in numel])
+    assert fit["alpha"] == 0.0 and fit["beta"] > 0
 
 
 def test_the_measured_programs_are_the_models_with_sizes_for_times():

@@ -186,18 +186,18 @@ def test_ep_two_micro_batches():
 def test_fsdp2_issue_order_on_the_pinned_torch_is_what_the_page_says():
     """The page states, from this run at build time: FSDP2 on CPU prefetches nothing in forward by
     default, everything in backward, and in forward too with set_modules_to_forward_prefetch."""
-    from dtp.overlap import torch_facts as overlap_measure
+    from dtp.overlap import torch_facts
 
-    default = overlap_measure.fsdp2_events(forward_prefetch=False)
-    explicit = overlap_measure.fsdp2_events(forward_prefetch=True)
-    assert overlap_measure.gathers_issued_ahead(default, "forward", "backward") == (0, 3)
-    assert overlap_measure.gathers_issued_ahead(default, "backward", "end") == (3, 3)
-    assert overlap_measure.gathers_issued_ahead(explicit, "forward", "backward") == (3, 3)
+    default = torch_facts.fsdp2_events(forward_prefetch=False)
+    explicit = torch_facts.fsdp2_events(forward_prefetch=True)
+    assert torch_facts.gathers_issued_ahead(default, "forward", "backward") == (0, 3)
+    assert torch_facts.gathers_issued_ahead(default, "backward", "end") == (3, 3)
+    assert torch_facts.gathers_issued_ahead(explicit, "forward", "backward") == (3, 3)
 
 
 def test_the_issued_ahead_count_tells_prefetch_from_blocking_gathers():
     """On the course's own ZeRO-3 with prefetch, every gather after the first is issued ahead."""
-    from dtp.overlap import torch_facts as overlap_measure
+    from dtp.overlap import torch_facts
     from dtp.overlap.runs import zero3_prefetch_rank
     from dtp.common.world import run_world
     from grader.student import StudentCode
@@ -206,5 +206,5 @@ def test_the_issued_ahead_count_tells_prefetch_from_blocking_gathers():
 
     course = StudentCode.from_notebook(str(solution_path("overlap")), {"PrefetchZeRO3Module"})
     events = run_world(zero3_prefetch_rank, 2, (course.PrefetchZeRO3Module, (8, 12, 10, 4), 0, 0, 1))[0]["events"][0]
-    assert overlap_measure.gathers_issued_ahead(events, "forward", "backward") == (2, 2)
-    assert overlap_measure.gathers_issued_ahead(events, "backward", "step") == (2, 2)
+    assert torch_facts.gathers_issued_ahead(events, "forward", "backward") == (2, 2)
+    assert torch_facts.gathers_issued_ahead(events, "backward", "step") == (2, 2)

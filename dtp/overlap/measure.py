@@ -15,7 +15,8 @@ import time
 
 from dtp.common.world import run_world
 from dtp.overlap import model
-from dtp.overlap.timing import bandwidth_time, exposed_time, fit_alpha_beta, one_link
+from dtp.overlap.timing import (FIRST_ESTIMATE_ROUNDS, bandwidth_time, exposed_times, fit_alpha_beta, fit_from,
+                                fit_programs, one_link)
 from dtp.zero.measure import FullTensorTracker
 
 FLOAT_BYTES = 4
@@ -33,36 +34,34 @@ def _row(label, measured, predicted):
 
 # --- DDP: buckets all-reduced during a backward of B seconds ----------------------------------
 
-def after_backward(program) -> list:
-    """The same steps with every collective issued after the last compute: nothing hides them."""
-    computes = [step for step in program if step[0] == "compute"]
-    return computes + [step for step in program if step[0] != "compute"]
-
-
 def _ddp_rank(rank, world_size, numel, backward_s, bucket_counts, after_buckets):
     link = one_link()
-    fit = fit_alpha_beta(link, "all_reduce", sorted({numel // b for b in (*bucket_counts, after_buckets)}))
-    measured = {b: exposed_time(on_gloo(model.ddp_program(numel, backward_s, b), "all_reduce"), link)
-                for b in bucket_counts}
-    measured["after"] = exposed_time(after_backward(on_gloo(model.ddp_program(numel, backward_s, after_buckets),
-                                                            "all_reduce")), link)
-    return {"fit": fit, "measured": measured}
+    sizes = sorted({numel // b for b in (*bucket_counts, after_buckets)})
+    programs = fit_programs("all_reduce", sizes)
+    programs.update({b: on_gloo(model.ddp_program(numel, backward_s, b), "all_reduce") for b in bucket_counts})
+    programs["after"] = on_gloo(model.after_backward_program(model.ddp_program(numel, backward_s, after_buckets)),
+                                "all_reduce")
+    exposed = exposed_times(programs, link)
+    return {"fit": fit_from(exposed, "all_reduce", sizes), "measured": exposed}
 
 
-def measure_ddp(world_size=2, numel=2**22, backward_s=0.02, bucket_counts=(1, 2, 4, 8, 16, 32),
+def measure_ddp(world_size=2, numel=2**23, backward_s=0.04, bucket_counts=(1, 2, 4, 8, 16, 32),
                 after_buckets=4) -> dict:
     """DDP's backward of `backward_s` over `numel` float32 gradients in b equal buckets, each
     all-reduced as soon as backward has produced it, for every b; and `after_buckets` buckets
-    all-reduced after backward. Model: `model.ddp_exposed(C, B, b, alpha)` with the fitted alpha
-    and C = beta·bytes of all gradients; after backward, b·alpha + C."""
+    all-reduced after backward. Model: `model.ddp_exposed(C, B, b, alpha, launch=...)` with the
+    fitted alpha less the measured launch, C = beta·bytes of all gradients; after backward, the
+    model's program of that, simulated."""
     result = run_world(_ddp_rank, world_size, (numel, backward_s, tuple(bucket_counts), after_buckets))[0]
     fit, measured = result["fit"], result["measured"]
-    c = bandwidth_time(fit, numel)
+    c, launch = bandwidth_time(fit, numel), fit["launch"]
+    alpha = max(0.0, fit["alpha"] - launch)  # the fitted alpha includes one launch; the rest is the link's
+    after = model.after_backward_program(model.ddp_program(c, backward_s, after_buckets, alpha))
     rows = [_row(f"{after_buckets} buckets, all-reduced after backward", measured["after"],
-                 after_buckets * fit["alpha"] + c)]
+                 model.program_exposed(after, launch=launch))]
     rows += [_row(f"{b} bucket{'s' if b > 1 else ''} during backward", measured[b],
-                  model.ddp_exposed(c, backward_s, b, fit["alpha"])) for b in bucket_counts]
-    best = model.ddp_best_buckets(c, backward_s, fit["alpha"])
+                  model.ddp_exposed(c, backward_s, b, alpha, launch=launch)) for b in bucket_counts]
+    best = model.ddp_best_buckets(c, backward_s, alpha, launch=launch)
     return {"rows": rows, "fit": fit, "allreduce_s": c, "backward_s": backward_s, "model_best_buckets": best,
             "measured_best_buckets": min(bucket_counts, key=lambda b: measured[b]), "numel": numel}
 
@@ -73,13 +72,14 @@ def _zero3_rank(rank, world_size, layouts, compute_over_gather):
     link = one_link()
     pieces = {n // world_size for units, _ in layouts.values() for n in units}
     sizes = sorted(pieces | {min(pieces) // 2, min(pieces) * 2})  # the sizes it gathers, and around them
-    fit = fit_alpha_beta(link, "all_gather", sizes)
-    compute_s = compute_over_gather * (fit["alpha"] + bandwidth_time(fit, min(pieces)))
-    measured = {}
+    first = fit_alpha_beta(link, "all_gather", sizes, FIRST_ESTIMATE_ROUNDS)
+    compute_s = compute_over_gather * (first["alpha"] + bandwidth_time(first, min(pieces)))
+    programs = fit_programs("all_gather", sizes)
     for key, (units, depth) in layouts.items():
-        pieces = [n // world_size for n in units]
-        program = model.fsdp_forward_program(pieces, [compute_s] * len(units), depth)
-        measured[key] = exposed_time(on_gloo(program, "all_gather"), link)
+        program = model.fsdp_forward_program([n // world_size for n in units], [compute_s] * len(units), depth)
+        programs[key] = on_gloo(program, "all_gather")
+    measured = exposed_times(programs, link)
+    fit = fit_from(measured, "all_gather", sizes)
     peaks = {key: _gathered_peak([n // world_size for n in units], depth, compute_s) for key, (units, depth) in layouts.items()}
     even = next(units for units, _ in layouts.values())
     kept = _gathered_peak([n // world_size for n in even], 0, compute_s, keep_handles=True)
@@ -117,8 +117,8 @@ def _gathered_peak(pieces, depth, compute_s, keep_handles=False) -> int:
     return tracker.peaks.get("start", 0)
 
 
-def measure_zero3_forward(world_size=2, units=6, numel=2**21, compute_over_gather=1.6, depths=(0, 1, 2),
-                          big_unit=3, big_factor=3, uneven_depths=(1, 2)) -> dict:
+def measure_zero3_forward(world_size=2, units=6, numel=2**21, compute_over_gather=1.3, depths=(0, 1, 2),
+                          big_unit=3, big_factor=2, uneven_depths=(1, 2)) -> dict:
     """ZeRO-3's forward on gloo, every unit's gather waited on before the next is issued, with
     prefetch depth 0 (gather, wait, compute), 1 and 2; and the same with unit `big_unit` gathering
     `big_factor` times the bytes (an embedding, or uneven wrapping) at `uneven_depths`. Each unit
@@ -131,7 +131,8 @@ def measure_zero3_forward(world_size=2, units=6, numel=2**21, compute_over_gathe
     layouts.update({("uneven", d): (uneven, d) for d in uneven_depths})
     result = run_world(_zero3_rank, world_size, (layouts, compute_over_gather))[0]
     fit, compute_s = result["fit"], result["compute_s"]
-    alpha = fit["alpha"]
+    launch = fit["launch"]
+    alpha = max(0.0, fit["alpha"] - launch)  # the fitted alpha includes one launch
 
     def gather_s(n):
         return bandwidth_time(fit, n // world_size)
@@ -139,17 +140,17 @@ def measure_zero3_forward(world_size=2, units=6, numel=2**21, compute_over_gathe
     rows = []
     for key, (sizes, depth) in layouts.items():
         if key[0] == "even":
-            predicted = model.fsdp_forward_exposed(units, gather_s(numel), compute_s, depth > 0, alpha)
+            predicted = model.fsdp_forward_exposed(units, gather_s(numel), compute_s, depth > 0, alpha, launch=launch)
             label = f"depth {depth}" + (", equal units" if depth == 0 else "")
         else:
             predicted = model.fsdp_forward_exposed_units([alpha + gather_s(n) for n in sizes], [compute_s] * units,
-                                                         depth)
+                                                         depth, launch=launch)
             label = f"depth {depth}, unit {big_unit} {big_factor}x larger"
         row = _row(label, result["measured"][key], predicted)
         row.update(depth=depth, peak_bytes=result["peak_bytes"][key], unit_bytes=numel * FLOAT_BYTES,
                    units_alive=model.fsdp_gathered_units_alive(depth, units))
         rows.append(row)
-    return {"rows": rows, "fit": fit, "units": units, "compute_s": compute_s, "gather_s": alpha + gather_s(numel),
+    return {"rows": rows, "fit": fit, "units": units, "compute_s": compute_s, "gather_s": fit["alpha"] + gather_s(numel),
             "peak_bytes_handle_kept": result["peak_bytes_handle_kept"],
             "unit_bytes": numel * FLOAT_BYTES, "big_unit": big_unit, "big_factor": big_factor}
 
@@ -158,17 +159,18 @@ def measure_zero3_forward(world_size=2, units=6, numel=2**21, compute_over_gathe
 
 def _ring_rank(rank, world_size, numel, gemm_over_transfer):
     link = one_link()
-    exchange = fit_alpha_beta(link, "exchange", [numel // 4, numel // 2, numel])
-    gather = fit_alpha_beta(link, "all_gather", [numel // 4, numel // 2, numel])
-    transfer = exchange["alpha"] + bandwidth_time(exchange, numel)
-    gemm_s = gemm_over_transfer * transfer * world_size  # each piece's product: this fraction of a step's transfer
-    plain = [("issue", "all", "all_gather", numel), ("wait", "all"), ("compute", gemm_s)]
-    ring = on_gloo(model.collective_matmul_program(numel * (world_size - 1), gemm_s, world_size), "exchange")
-    return {"exchange": exchange, "gather": gather, "gemm_s": gemm_s,
-            "measured": {"plain": exposed_time(plain, link), "ring": exposed_time(ring, link)}}
+    sizes = [numel // 4, numel // 2, numel]
+    first = fit_alpha_beta(link, "exchange", sizes, FIRST_ESTIMATE_ROUNDS)
+    gemm_s = gemm_over_transfer * (first["alpha"] + bandwidth_time(first, numel)) * world_size  # per piece: that share
+    programs = {**fit_programs("exchange", sizes), **fit_programs("all_gather", sizes)}
+    programs["plain"] = [("issue", "all", "all_gather", numel), ("wait", "all"), ("compute", gemm_s)]
+    programs["ring"] = on_gloo(model.collective_matmul_program(numel * (world_size - 1), gemm_s, world_size), "exchange")
+    measured = exposed_times(programs, link)
+    return {"exchange": fit_from(measured, "exchange", sizes), "gather": fit_from(measured, "all_gather", sizes),
+            "gemm_s": gemm_s, "measured": measured}
 
 
-def measure_collective_matmul(world_size=4, numel=2**20, gemm_over_transfer=0.5) -> dict:
+def measure_collective_matmul(world_size=4, numel=2**20, gemm_over_transfer=0.3) -> dict:
     """All-gather then product, and collective matmul, on `world_size` ranks each holding `numel`
     float32 of X. The product's length is set from the fitted ring step, so that each piece's
     product covers `gemm_over_transfer` of a transfer and the model predicts something to
@@ -209,15 +211,17 @@ def ep_programs(numel, compute_s) -> dict:
 
 def _tp_ep_rank(rank, world_size, numel, compute_over_comm):
     link = one_link()
-    sizes = [numel // 4, numel // 2, numel]
-    fits = {"all_reduce": fit_alpha_beta(link, "all_reduce", sizes), "all_to_all": fit_alpha_beta(link, "all_to_all", sizes)}
-    a = fits["all_reduce"]["alpha"] + bandwidth_time(fits["all_reduce"], numel)
-    c = 2 * (fits["all_to_all"]["alpha"] + bandwidth_time(fits["all_to_all"], numel))
+    sizes, ops = [numel // 4, numel // 2, numel], ("all_reduce", "all_to_all")
+    first = {op: fit_alpha_beta(link, op, sizes, FIRST_ESTIMATE_ROUNDS) for op in ops}
+    a = first["all_reduce"]["alpha"] + bandwidth_time(first["all_reduce"], numel)
+    c = 2 * (first["all_to_all"]["alpha"] + bandwidth_time(first["all_to_all"], numel))
     tp_compute, ep_compute = compute_over_comm * a, compute_over_comm * c
-    programs = {("tp", k): p for k, p in tp_programs(numel, tp_compute).items()}
+    programs = {key: program for op in ops for key, program in fit_programs(op, sizes).items()}
+    programs.update({("tp", k): p for k, p in tp_programs(numel, tp_compute).items()})
     programs.update({("ep", k): p for k, p in ep_programs(numel, ep_compute).items()})
-    return {"fits": fits, "tp_compute_s": tp_compute, "ep_compute_s": ep_compute,
-            "measured": {key: exposed_time(program, link) for key, program in programs.items()}}
+    measured = exposed_times(programs, link)
+    return {"fits": {op: fit_from(measured, op, sizes) for op in ops}, "tp_compute_s": tp_compute,
+            "ep_compute_s": ep_compute, "measured": measured}
 
 
 def measure_tp_and_ep(world_size=2, numel=2**21, compute_over_comm=0.5) -> dict:

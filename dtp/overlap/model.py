@@ -24,15 +24,20 @@ Two refinements, each an explicit argument whose default (0) gives the plain mod
   a collective progresses at 1/(1+epsilon) of its speed. `GPU_CONTENTION` is an estimate for a
   GPU; a sleep (the page's measurements) has none.
 
+Where the rank's own thread pays for issuing each collective (a CPU running gloo: tens of
+microseconds a call), `launch` is that cost, spent on the compute engine, never hidden; a GPU's
+CPU thread runs ahead of its kernels and hides it, so a planner leaves it at 0.
+
 API (all times in one unit; `exposed` means what the step takes beyond its computation alone):
 
     collective_time(nbytes, bandwidth, alpha=0)                         -> alpha + nbytes/bandwidth
     exposed(communication, independent_compute, contention=0)          one phase
     exposed_over_phases(phases, contention=0)                          sum over (comm, compute)
-    ddp_exposed(allreduce_time, backward_time, buckets, alpha=0, contention=0)
-    ddp_exposed_serial(allreduce_time, backward_time, buckets, alpha=0, contention=0)  simulated
-    fsdp_forward_exposed(units, gather_time, compute_time, prefetch=True, alpha=0, contention=0)
-    fsdp_forward_exposed_units(gather_times, compute_times, depth=1, contention=0)    uneven units
+    ddp_exposed(allreduce_time, backward_time, buckets, alpha=0, contention=0, launch=0)
+    ddp_exposed_serial(allreduce_time, backward_time, buckets, alpha=0, contention=0, launch=0)  simulated
+    ddp_best_buckets(allreduce_time, backward_time, alpha, most=4096, launch=0)
+    fsdp_forward_exposed(units, gather_time, compute_time, prefetch=True, alpha=0, contention=0, launch=0)
+    fsdp_forward_exposed_units(gather_times, compute_times, depth=1, contention=0, launch=0)   uneven
     fsdp_backward_exposed(units, gather_time, reduce_scatter_time, compute_time, prefetch=True,
                           alpha=0, contention=0, first_gather=True)
     fsdp_gathered_units_alive(prefetch_depth, units)
@@ -41,7 +46,10 @@ API (all times in one unit; `exposed` means what the step takes beyond its compu
                               piece_overhead=0)
     pp_exposed(stages, micro_batches, message_time, forward_time=1, backward_time=2, alpha=0)
     ep_exposed(all_to_all_time, compute_time, overlapped=True, alpha=0, contention=0)
-    schedule_time(program, contention=0)                               one rank's program, simulated
+    schedule_time(program, contention=0, launch=0)                     one rank's program, simulated
+    program_exposed(program, contention=0, launch=0)                   its time beyond its compute
+    ddp_program, after_backward_program, fsdp_forward_program, collective_matmul_program
+                                                                       the programs the page runs
 
 `schedule_time` runs a rank's program (compute, issue, wait, in order) on one compute engine and
 one link: every closed form above is checked against it (tests/overlap/test_overlap_model.py), and
@@ -81,17 +89,18 @@ def exposed_over_phases(phases, contention: float = 0.0) -> float:
 
 # --- one rank's program on one compute engine and one link --------------------------------------
 
-def schedule_time(program, contention: float = 0.0) -> float:
+def schedule_time(program, contention: float = 0.0, launch: float = 0.0) -> float:
     """When one rank's program ends. Steps, in order: ("compute", seconds), ("issue", name,
-    seconds): a collective joins the link's queue (collectives run one after another, each once
-    issued and once the previous one ended), ("wait", name): the rank waits until it has ended.
-    Compute runs at 1/(1+contention) of its speed while the link is busy. A collective never
-    waited on still counts if it ends last."""
+    seconds): the rank spends `launch` issuing it, then the collective joins the link's queue
+    (collectives run one after another, each once issued and once the previous one ended),
+    ("wait", name): the rank waits until it has ended. Compute runs at 1/(1+contention) of its
+    speed while the link is busy. A collective never waited on still counts if it ends last."""
     now, link_free, ends = 0.0, 0.0, {}
     busy, first = [], 0  # (start, end) of each collective, in order; busy[first:] may still overlap
     for step in program:
         kind = step[0]
         if kind == "issue":
+            now += launch
             start = max(now, link_free)
             link_free = ends[step[1]] = start + step[2]
             busy.append((start, link_free))
@@ -121,25 +130,27 @@ def _compute_until(now: float, work: float, busy: list, contention: float) -> fl
     return now + max(0.0, work)
 
 
-def program_exposed(program, contention: float = 0.0) -> float:
+def program_exposed(program, contention: float = 0.0, launch: float = 0.0) -> float:
     """What the program takes beyond its computation alone."""
-    return schedule_time(program, contention) - sum(step[1] for step in program if step[0] == "compute")
+    return schedule_time(program, contention, launch) - sum(step[1] for step in program if step[0] == "compute")
 
 
 # --- data parallelism: gradient buckets all-reduced during backward ---------------------------
 
 def ddp_exposed(allreduce_time: float, backward_time: float, buckets: int, alpha: float = 0.0,
-                contention: float = 0.0) -> float:
+                contention: float = 0.0, launch: float = 0.0) -> float:
     """DDP with `buckets` equal buckets: bucket k is ready after k/b of backward and its
     all-reduce (alpha + C/b, C the bandwidth time of all gradients) starts then, or when the
     previous one ends. The last one finishes at max(B/b + b·(alpha + C/b), B + alpha + C/b), so
     what sticks out of backward is max(alpha + C/b, b·alpha + C - B(b-1)/b): the last bucket
     always, more if the all-reduces together outlast backward after the first bucket. The alpha
-    per bucket makes the best b finite (`ddp_best_buckets`). With contention, simulated."""
+    per bucket makes the best b finite (`ddp_best_buckets`). A `launch` per bucket lengthens
+    backward by b·launch: max(p + b·launch, b·p - B(b-1)/b + launch), p = alpha + C/b. With
+    contention, simulated."""
     if contention:
-        return ddp_exposed_serial(allreduce_time, backward_time, buckets, alpha, contention)
+        return ddp_exposed_serial(allreduce_time, backward_time, buckets, alpha, contention, launch)
     b, piece = buckets, alpha + allreduce_time / buckets
-    return max(piece, b * piece - backward_time * (b - 1) / b)
+    return max(piece + b * launch, b * piece - backward_time * (b - 1) / b + launch)
 
 
 def ddp_program(allreduce_time: float, backward_time: float, buckets: int, alpha: float = 0.0) -> list:
@@ -150,32 +161,43 @@ def ddp_program(allreduce_time: float, backward_time: float, buckets: int, alpha
     return program + [("wait", k) for k in range(buckets)]
 
 
+def after_backward_program(program) -> list:
+    """The same steps with every collective issued after the last compute: nothing hides them."""
+    computes = [step for step in program if step[0] == "compute"]
+    return computes + [step for step in program if step[0] != "compute"]
+
+
 def ddp_exposed_serial(allreduce_time: float, backward_time: float, buckets: int, alpha: float = 0.0,
-                       contention: float = 0.0) -> float:
+                       contention: float = 0.0, launch: float = 0.0) -> float:
     """The same step by simulation (`schedule_time`). Agrees with `ddp_exposed` without
     contention (tests/overlap/test_overlap_model.py)."""
-    return max(0.0, program_exposed(ddp_program(allreduce_time, backward_time, buckets, alpha), contention))
+    program = ddp_program(allreduce_time, backward_time, buckets, alpha)
+    return max(0.0, program_exposed(program, contention, launch))
 
 
-def ddp_best_buckets(allreduce_time: float, backward_time: float, alpha: float, most: int = 4096) -> int:
-    """The number of equal buckets that exposes least: with alpha > 0 a finite one, because each
-    bucket adds alpha to the chain of all-reduces while only shortening the last bucket by C/b."""
-    return min(range(1, most + 1), key=lambda b: (ddp_exposed(allreduce_time, backward_time, b, alpha), b))
+def ddp_best_buckets(allreduce_time: float, backward_time: float, alpha: float, most: int = 4096,
+                     launch: float = 0.0) -> int:
+    """The number of equal buckets that exposes least: with alpha > 0 (or a launch cost) a finite
+    one, because each bucket adds to the chain of all-reduces while only shortening the last
+    bucket by C/b."""
+    return min(range(1, most + 1),
+               key=lambda b: (ddp_exposed(allreduce_time, backward_time, b, alpha, launch=launch), b))
 
 
 # --- ZeRO-3 / FSDP: the next unit gathered during this unit's compute --------------------------
 
 def fsdp_forward_exposed(units: int, gather_time: float, compute_time: float, prefetch: bool = True,
-                         alpha: float = 0.0, contention: float = 0.0) -> float:
+                         alpha: float = 0.0, contention: float = 0.0, launch: float = 0.0) -> float:
     """Forward over L units, each all-gathered (g, plus alpha) before its compute (f). Without
     prefetch every gather waits: L·g. With unit i+1's gather issued once unit i's has arrived and
     before unit i computes, only the first gather is fully exposed and each later one sticks out
     by max(0, g - f). With equal units a deeper prefetch changes nothing: the link is the bound
-    (`fsdp_forward_exposed_units` shows when it helps)."""
+    (`fsdp_forward_exposed_units` shows when it helps). Issuing each of the L gathers costs
+    `launch` on the rank's thread: L·launch more."""
     g = gather_time + alpha
     if not prefetch:
-        return units * g
-    return g + (units - 1) * exposed(g, compute_time, contention)
+        return units * (g + launch)
+    return units * launch + g + (units - 1) * exposed(g, compute_time, contention)
 
 
 def fsdp_forward_program(gather_times, compute_times, depth: int = 1) -> list:
@@ -193,12 +215,13 @@ def fsdp_forward_program(gather_times, compute_times, depth: int = 1) -> list:
     return program
 
 
-def fsdp_forward_exposed_units(gather_times, compute_times, depth: int = 1, contention: float = 0.0) -> float:
+def fsdp_forward_exposed_units(gather_times, compute_times, depth: int = 1, contention: float = 0.0,
+                               launch: float = 0.0) -> float:
     """Exposed time of a forward whose units differ (`gather_times[i]`, `compute_times[i]`,
     each gather with its alpha), prefetching `depth` units ahead (0: none). Deeper prefetch helps
     when a big gather follows a short compute (an embedding, uneven wrapping): started one unit
     earlier it has two computes to hide under. With equal units it never helps."""
-    return program_exposed(fsdp_forward_program(gather_times, compute_times, depth), contention)
+    return program_exposed(fsdp_forward_program(gather_times, compute_times, depth), contention, launch)
 
 
 def fsdp_backward_exposed(units: int, gather_time: float, reduce_scatter_time: float, compute_time: float,

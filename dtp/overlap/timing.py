@@ -15,8 +15,9 @@ after another in the order issued, as NCCL runs one stream's collectives and as 
 assumes (gloo's default group has two threads and runs two collectives at once). Every timing
 starts all ranks at one instant (a CLOCK_MONOTONIC deadline, which every process on the machine
 shares), so that no rank's late start is counted as communication, and ends when the slowest
-rank ends; it is repeated and the median kept. `fit_alpha_beta` fits t = alpha + beta·bytes to
-one collective's exposed times at several sizes, on the same world.
+rank ends; programs are run in rounds (each once per round) and the median kept. A fit of
+t = alpha + beta·bytes for each collective is measured in the same rounds as the programs it
+predicts (`fit_programs`, `fit_from`).
 """
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ import torch
 import torch.distributed as dist
 
 REPEATS = 9  # the median of this many runs, after a warm-up
+FIRST_ESTIMATE_ROUNDS = 3  # rounds of the fit that sizes a computation before the measurement
 START_AHEAD_S = 0.005  # rank 0 sets the common start this far ahead: every rank is waiting by then
 FIT_PAUSE_S = 0.002  # the compute before each collective the fit times, as the programs have one
+LAUNCH_COUNT = 16  # tiny collectives whose cost to the rank's thread is averaged
 OPS = ("all_reduce", "all_gather", "all_to_all", "exchange")
 _links_made = 0  # each one_link() of a process gets its own keys in the world's store
 
@@ -103,34 +106,50 @@ def synchronized_time(function) -> float:
     return float(took)
 
 
-def median_time(function, repeats: int = REPEATS) -> float:
-    synchronized_time(function)  # warm-up: gloo sets up its buffers on a size's first use
-    return statistics.median(synchronized_time(function) for _ in range(repeats))
+def exposed_times(programs: dict, link, rounds: int = REPEATS) -> dict:
+    """The exposed time of each program (a dict of them): the median, over `rounds`, of its time
+    minus its computation's alone, run right after it (a sleep overshoots by the same on both).
+    Every round runs every program once, in turn, so that a change in the machine's state while
+    they run (another job, a frequency step) touches all of them alike."""
+    prepared = {key: (program, buffers(program), compute_only(program)) for key, program in programs.items()}
+    for program, tensors, _ in prepared.values():
+        synchronized_time(lambda: run_program(program, link, tensors))  # warm-up: gloo sets up a size's buffers
+    differences = {key: [] for key in prepared}
+    for _ in range(rounds):
+        for key, (program, tensors, alone) in prepared.items():
+            step = synchronized_time(lambda: run_program(program, link, tensors))
+            differences[key].append(step - synchronized_time(lambda: run_program(alone, link, {})))
+    return {key: statistics.median(values) for key, values in differences.items()}
 
 
-def exposed_time(program, link, repeats: int = REPEATS) -> float:
-    """The median, over paired runs, of the program's time minus its computation's alone (a
-    sleep overshoots by the same on both): what the communication added to the step."""
-    tensors = buffers(program)
-    alone = compute_only(program)
-    synchronized_time(lambda: run_program(program, link, tensors))
-    differences = []
-    for _ in range(repeats):
-        step = synchronized_time(lambda: run_program(program, link, tensors))
-        differences.append(step - synchronized_time(lambda: run_program(alone, link, {})))
-    return statistics.median(differences)
+def fit_programs(op: str, sizes, launch_count: int = LAUNCH_COUNT) -> dict:
+    """The programs a fit of `op` times: ("fit", op, n) one collective of n elements per rank
+    issued after a short compute and waited on at once, as the programs issue theirs; and
+    ("launch", op) `launch_count` collectives of one element, each after a short compute, all
+    waited on at the end: there each collective is hidden, and only what it costs the rank's
+    own thread (the call that issues it, the one that waits on it, waking while gloo's thread
+    works) is left."""
+    programs = {("fit", op, n): [("compute", FIT_PAUSE_S), ("issue", "x", op, n), ("wait", "x")] for n in sizes}
+    launches = [step for k in range(launch_count) for step in (("compute", FIT_PAUSE_S), ("issue", k, op, 1))]
+    programs[("launch", op)] = launches + [("wait", k) for k in range(launch_count)]
+    return programs
 
 
-def fit_alpha_beta(link, op: str, sizes) -> dict:
-    """alpha (s) and beta (s per byte of the rank's input) of one collective on this world: at
-    each size (numel per rank), the exposed time of one collective issued after a short compute
-    and waited on at once (`exposed_time`: the ranks start together, the compute's own time is
-    subtracted), as the programs issue theirs; a least-squares line through them."""
-    numel = list(sizes)
-    times = [exposed_time([("compute", FIT_PAUSE_S), ("issue", "x", op, n), ("wait", "x")], link) for n in numel]
+def fit_from(exposed: dict, op: str, sizes, launch_count: int = LAUNCH_COUNT) -> dict:
+    """alpha (s), beta (s per byte of a rank's input) and launch (s) of `op` from the exposed
+    times of `fit_programs`: a least-squares line through the single collectives' times; alpha
+    as fitted includes one launch."""
+    numel = sorted(sizes)
+    times = [exposed[("fit", op, n)] for n in numel]
     fit = alpha_beta_from_times(numel, times)
-    fit.update(op=op, numel=numel, times=times)
+    fit.update(op=op, numel=numel, times=times, launch=max(0.0, exposed[("launch", op)]) / launch_count)
     return fit
+
+
+def fit_alpha_beta(link, op: str, sizes, rounds: int = REPEATS) -> dict:
+    """`fit_from` the exposed times of `fit_programs`, measured on their own (a first estimate,
+    to size a computation before the rounds that measure everything)."""
+    return fit_from(exposed_times(fit_programs(op, sizes), link, rounds), op, sizes)
 
 
 def alpha_beta_from_times(numel, times) -> dict:

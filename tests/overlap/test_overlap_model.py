@@ -20,8 +20,9 @@ def test_ddp_closed_form_equals_the_simulated_bucket_engine(buckets):
     for _ in range(200):
         comm, backward = rng.uniform(0.01, 10, size=2)
         alpha = rng.choice([0.0, rng.uniform(0, 1)])
-        assert overlap.ddp_exposed(comm, backward, buckets, alpha) == pytest.approx(
-            overlap.ddp_exposed_serial(comm, backward, buckets, alpha))
+        launch = rng.choice([0.0, rng.uniform(0, 0.2)])
+        assert overlap.ddp_exposed(comm, backward, buckets, alpha, launch=launch) == pytest.approx(
+            overlap.ddp_exposed_serial(comm, backward, buckets, alpha, launch=launch))
 
 
 def test_ddp_limits():
@@ -64,6 +65,15 @@ def test_with_gradient_accumulation_only_the_last_micro_batchs_backward_hides_th
     assert whole == pytest.approx(alpha + c / buckets) and whole < last
 
 
+def test_issuing_costs_the_rank_its_launch_time_per_collective_and_is_never_hidden():
+    # one bucket after backward: its launch and its all-reduce
+    assert overlap.ddp_exposed(4.0, 100.0, 1, 0.5, launch=0.1) == pytest.approx(4.6)
+    # plenty of backward: the last bucket, and every bucket's launch on the backward's path
+    assert overlap.ddp_exposed(4.0, 100.0, 8, 0.5, launch=0.1) == pytest.approx(0.5 + 0.5 + 8 * 0.1)
+    assert overlap.program_exposed([("compute", 5.0), ("issue", 0, 1.0), ("compute", 5.0), ("wait", 0)],
+                                   launch=0.2) == pytest.approx(0.2)
+
+
 def test_ddp_with_contention_is_simulated_and_costs_more():
     plain = overlap.ddp_exposed(10.0, 40.0, 4, 0.2)
     contended = overlap.ddp_exposed(10.0, 40.0, 4, 0.2, overlap.GPU_CONTENTION)
@@ -89,12 +99,12 @@ def test_fsdp_forward_closed_form_equals_a_simulation():
         assert overlap.fsdp_forward_exposed(units, gather, compute) == pytest.approx(
             fsdp_forward_simulated(units, gather, compute))
         assert overlap.fsdp_forward_exposed(units, gather, compute, prefetch=False) == units * gather
-        for alpha, e in ((0.0, 0.0), (0.3, 0.0), (0.3, 0.18)):
-            closed = overlap.fsdp_forward_exposed(units, gather, compute, True, alpha, e)
+        for alpha, e, launch in ((0.0, 0.0, 0.0), (0.3, 0.0, 0.0), (0.3, 0.18, 0.0), (0.3, 0.0, 0.05)):
+            closed = overlap.fsdp_forward_exposed(units, gather, compute, True, alpha, e, launch)
             assert closed == pytest.approx(overlap.fsdp_forward_exposed_units(
-                [gather + alpha] * units, [compute] * units, 1, e))
-            assert overlap.fsdp_forward_exposed(units, gather, compute, False, alpha) == pytest.approx(
-                overlap.fsdp_forward_exposed_units([gather + alpha] * units, [compute] * units, 0))
+                [gather + alpha] * units, [compute] * units, 1, e, launch))
+            assert overlap.fsdp_forward_exposed(units, gather, compute, False, alpha, launch=launch) == pytest.approx(
+                overlap.fsdp_forward_exposed_units([gather + alpha] * units, [compute] * units, 0, launch=launch))
 
 
 def test_with_equal_units_deeper_prefetch_changes_nothing_and_with_a_big_gather_it_helps():

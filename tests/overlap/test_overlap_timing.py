@@ -24,7 +24,7 @@ def test_the_measured_programs_are_the_models_with_sizes_for_times():
     assert [step[0] for step in program] == ["compute", "issue"] * 4 + ["wait"] * 4
     assert {step[3] for step in program if step[0] == "issue"} == {2**18}
     assert timing.compute_only(program) == [("compute", 0.005)] * 4
-    late = measure.after_backward(program)
+    late = model.after_backward_program(program)
     assert [step[0] for step in late] == ["compute"] * 4 + ["issue"] * 4 + ["wait"] * 4
     ring = measure.on_gloo(model.collective_matmul_program(3 * 1000, 0.04, 4), "exchange")
     assert [step[0] for step in ring] == ["issue", "compute", "wait"] * 3 + ["compute"]

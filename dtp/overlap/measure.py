@@ -117,8 +117,8 @@ def _gathered_peak(pieces, depth, compute_s, keep_handles=False) -> int:
     return tracker.peaks.get("start", 0)
 
 
-def measure_zero3_forward(world_size=2, units=6, numel=2**21, compute_over_gather=1.3, depths=(0, 1, 2),
-                          big_unit=3, big_factor=2, uneven_depths=(1, 2)) -> dict:
+def measure_zero3_forward(world_size=2, units=6, numel=2**20, compute_over_gather=1.5, depths=(0, 1, 2),
+                          big_unit=3, big_factor=3, uneven_depths=(1, 2)) -> dict:
     """ZeRO-3's forward on gloo, every unit's gather waited on before the next is issued, with
     prefetch depth 0 (gather, wait, compute), 1 and 2; and the same with unit `big_unit` gathering
     `big_factor` times the bytes (an embedding, or uneven wrapping) at `uneven_depths`. Each unit
@@ -224,7 +224,7 @@ def _tp_ep_rank(rank, world_size, numel, compute_over_comm):
             "ep_compute_s": ep_compute, "measured": measured}
 
 
-def measure_tp_and_ep(world_size=2, numel=2**21, compute_over_comm=0.5) -> dict:
+def measure_tp_and_ep(world_size=2, numel=2**21, compute_over_comm=0.4) -> dict:
     """A TP all-reduce waited on before the product that needs it, and one under a product that
     does not (the weight gradient); a MoE layer's two micro-batches serial and overlapped. The
     computation is `compute_over_comm` of the fitted communication, so the overlapped rows leave
@@ -241,4 +241,5 @@ def measure_tp_and_ep(world_size=2, numel=2**21, compute_over_comm=0.5) -> dict:
                     model.ep_exposed(c, f, False, a2a["alpha"])),
                _row("two micro-batches, overlapped", measured[("ep", "overlapped")],
                     model.ep_exposed(c, f, True, a2a["alpha"]))]
-    return {"tp_rows": tp_rows, "ep_rows": ep_rows, "fits": fits, "tp_compute_s": w, "ep_compute_s": f}
+    return {"tp_rows": tp_rows, "ep_rows": ep_rows, "fits": fits, "tp_compute_s": w, "ep_compute_s": f,
+            "compute_over_comm": compute_over_comm}

@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 
 REPEATS = 9  # the median of this many runs, after a warm-up
-FIRST_ESTIMATE_ROUNDS = 3  # rounds of the fit that sizes a computation before the measurement
+FIRST_ESTIMATE_ROUNDS = 5  # rounds of the fit that sizes a computation before the measurement
 START_AHEAD_S = 0.005  # rank 0 sets the common start this far ahead: every rank is waiting by then
-FIT_PAUSE_S = 0.002  # the compute before each collective the fit times, as the programs have one
+FIT_PAUSE_S = 0.005  # the compute before each collective the fit times, as the programs have one
 LAUNCH_COUNT = 16  # tiny collectives whose cost to the rank's thread is averaged
+FIT_COUNT = 3  # collectives of one size a fit program exposes one after another (a first one costs more)
 OPS = ("all_reduce", "all_gather", "all_to_all", "exchange")
 _links_made = 0  # each one_link() of a process gets its own keys in the world's store
 
@@ -123,13 +124,15 @@ def exposed_times(programs: dict, link, rounds: int = REPEATS) -> dict:
 
 
 def fit_programs(op: str, sizes, launch_count: int = LAUNCH_COUNT) -> dict:
-    """The programs a fit of `op` times: ("fit", op, n) one collective of n elements per rank
-    issued after a short compute and waited on at once, as the programs issue theirs; and
+    """The programs a fit of `op` times: ("fit", op, n) `FIT_COUNT` collectives of n elements per
+    rank, each issued after a short compute and waited on at once, as the programs issue theirs; and
     ("launch", op) `launch_count` collectives of one element, each after a short compute, all
     waited on at the end: there each collective is hidden, and only what it costs the rank's
     own thread (the call that issues it, the one that waits on it, waking while gloo's thread
     works) is left."""
-    programs = {("fit", op, n): [("compute", FIT_PAUSE_S), ("issue", "x", op, n), ("wait", "x")] for n in sizes}
+    programs = {("fit", op, n): [step for k in range(FIT_COUNT)
+                                 for step in (("compute", FIT_PAUSE_S), ("issue", k, op, n), ("wait", k))]
+                for n in sizes}
     launches = [step for k in range(launch_count) for step in (("compute", FIT_PAUSE_S), ("issue", k, op, 1))]
     programs[("launch", op)] = launches + [("wait", k) for k in range(launch_count)]
     return programs
@@ -140,7 +143,7 @@ def fit_from(exposed: dict, op: str, sizes, launch_count: int = LAUNCH_COUNT) ->
     times of `fit_programs`: a least-squares line through the single collectives' times; alpha
     as fitted includes one launch."""
     numel = sorted(sizes)
-    times = [exposed[("fit", op, n)] for n in numel]
+    times = [exposed[("fit", op, n)] / FIT_COUNT for n in numel]
     fit = alpha_beta_from_times(numel, times)
     fit.update(op=op, numel=numel, times=times, launch=max(0.0, exposed[("launch", op)]) / launch_count)
     return fit

@@ -68,7 +68,7 @@ PAGE_RESULTS = {
     "pipeline_parallel": (["9.86"], True),  # 7/71 for p = 8, m = 64, not 7/70
     "expert_parallel": (["46,702,792,704"], True),  # Mixtral's parameters, equal to torch's count
     "zero": (["120.0", "31.4", "16.6", "1.9"], True),  # the ZeRO paper's Figure 1 (7.5B, Nd = 64), in GB
-    "overlap": (["8.4", "16.8", "25.2"], False),  # ZeRO-3's gathered MB at prefetch depth 0, 1, 2 (1 + d units)
+    "overlap": (["4.2", "8.4", "12.6"], False),  # ZeRO-3's gathered MB at prefetch depth 0, 1, 2 (1 + d units)
     "overlap_gpu": (["0.18", "152"], False),  # GPU_CONTENTION = 132/112 - 1; what it costs a hidden 1 ms collective (µs)
     # ring bytes per rank at c = 4; zigzag's equal causal work; Llama 3's 128K stage on 8·16·16·8 GPUs (DP 8,
     # not 4); a causal zigzag ring step hides its transfer from twice the full block's 1,237 tokens

@@ -126,6 +126,15 @@ def zigzag_positions(seq_len, c):
     return [torch.cat([chunks[r], chunks[2 * c - 1 - r]]) for r in range(c)]
 
 
+def torch_head_tail_positions(seq_len, c):
+    """Every rank's token positions under the pinned torch's experimental context parallelism
+    with its default causal load balancing (the private `_HeadTailLoadBalancer`)."""
+    from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
+
+    order = _HeadTailLoadBalancer(seq_len, c, "cpu")._generate_indices().reshape(-1)
+    return list(order.chunk(c))
+
+
 # --- ring attention on a process group ----------------------------------------------------------
 
 
@@ -265,6 +274,59 @@ def ulysses_bytes_per_layer(tokens, hidden, kv_hidden, c, dtype_bytes=2):
     """Bytes a rank sends in one layer's forward of Ulysses: (c-1)/c of its Q, K, V shard in the
     first all-to-all and of its output shard in the second: (c-1)/c·(tokens/c)·(2h + 2h_kv)·bytes."""
     return (c - 1) / c * tokens / c * (2 * hidden + 2 * kv_hidden) * dtype_bytes
+
+
+def ulysses_gqa_bytes_per_layer(tokens, heads, kv_heads, head_dim, c, dtype_bytes=2):
+    """Ulysses' bytes per layer per rank under grouped-query attention, for any c dividing the
+    query heads: with fewer KV heads than ranks (c a multiple of kv_heads) each rank still needs
+    the KV head its query heads share, so K and V go out c·head_dim wide, each KV head replicated
+    c/kv_heads times (as veRL does); with at least c KV heads, `ulysses_bytes_per_layer`."""
+    if heads % c or (kv_heads % c and c % kv_heads):
+        raise ValueError(f"Ulysses needs c ({c}) to divide the query heads ({heads}) and to divide or be a "
+                         f"multiple of the KV heads ({kv_heads})")
+    kv_width = max(kv_heads, c) * head_dim
+    return ulysses_bytes_per_layer(tokens, heads * head_dim, kv_width, c, dtype_bytes)
+
+
+def ulysses_over_ring_bytes(heads, kv_heads, head_dim, c):
+    """Ulysses' bytes over the ring's, per layer per rank (tokens and dtype cancel):
+    (h + h_kv')/(c·h_kv), h_kv' the KV width after replication."""
+    return ulysses_gqa_bytes_per_layer(1.0, heads, kv_heads, head_dim, c, 1) / ring_bytes_per_layer(
+        1.0, kv_heads * head_dim, c, 1)
+
+
+def ulysses_ring_crossover(heads, kv_heads, head_dim):
+    """The smallest Ulysses degree (a divisor of the query heads, at least 2) at which Ulysses sends
+    fewer bytes than the ring, or None where it never does: without replication that needs
+    c > heads/kv_heads + 1, with it c > heads/(kv_heads - 1), never for one KV head."""
+    for c in range(2, heads + 1):
+        if heads % c == 0 and not (kv_heads % c and c % kv_heads) and ulysses_over_ring_bytes(
+                heads, kv_heads, head_dim, c) < 1:
+            return c
+    return None
+
+
+def ring_step_hiding_tokens(flops, bandwidth, hidden, kv_hidden, dtype_bytes=2, causal_zigzag=False):
+    """The fewest tokens per rank b at which a ring step's transfer of one K/V block (2·b·h_kv
+    elements) fits under its attention compute at `flops` FLOP/s and `bandwidth` bytes/s. A full
+    (non-causal) block is 4·b^2·h FLOPs (QK^T and PV): b >= h_kv·bytes·F/(2hB). Under a causal
+    mask with the zigzag layout a step on another rank's block computes 2 of its 4 chunk pairs,
+    half a block, so b must be twice as large."""
+    half = 2 if causal_zigzag else 1
+    return half * math.ceil(kv_hidden * dtype_bytes * flops / (2 * hidden * bandwidth))
+
+
+def causal_ring_time_in_blocks(c, layout="contiguous"):
+    """A causal ring forward's time in block-times (one full (s/c)^2 block each): every step lasts
+    as long as its busiest rank. Contiguous: at step i the ranks r >= i each compute a whole
+    block, so all c steps last one block, c in all, while the average rank computes (c+1)/2.
+    Zigzag: 3 of 4 chunk pairs at step 0 (every rank's own block), 2 of 4 at every other step:
+    3/4 + (c-1)/2."""
+    if layout == "contiguous":
+        return float(c)
+    if layout == "zigzag":
+        return 0.75 + (c - 1) / 2
+    raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
 
 
 def alltoall_input_bytes(tokens, hidden, kv_hidden, c, dtype_bytes=4):

@@ -1,243 +1,245 @@
-"""Wall-clock measurements of the overlap chapter, for the page (never for a verdict).
+"""Wall-clock measurements of the overlap chapter, each beside the model's prediction (for the
+page, never for a verdict).
 
-Each pattern runs on a real gloo world with computation of controlled length (`time.sleep`, which
-leaves the CPU to gloo's worker threads, as a GPU's compute leaves the links to NCCL), once with
-its communication waited on at once and once overlapped. A measurement returns the step's wall
-time, the communication time measured alone in the same world, and the exposed time: the step
-minus its compute. Numbers depend on the machine; the page prints them next to the model of
-`dtp.overlap.model` computed from the measured communication time.
+Every measurement runs, on a gloo world, the program that `dtp.overlap.model` simulates (the
+same builder: `model.ddp_program`, `model.fsdp_forward_program`, `model.collective_matmul_program`,
+with the sizes of the collectives in place of their times; `dtp.overlap.timing` runs it), and
+fits alpha and beta of its collective on the same world first. The model's prediction is then
+the closed form with those alpha and beta·bytes, and no measured step time goes into it. Each
+row is (label, measured exposed seconds, model exposed seconds). The computation is a sleep:
+no contention, so the model's contention is 0 here.
 """
 from __future__ import annotations
 
 import time
 
-import torch
-import torch.distributed as dist
-
-from dtp.common.traffic import CommunicationLog
 from dtp.common.world import run_world
-from dtp.overlap.runs import ComputeRecorder, plain_events
+from dtp.overlap import model
+from dtp.overlap.timing import (FIRST_ESTIMATE_ROUNDS, bandwidth_time, exposed_times, fit_alpha_beta, fit_from,
+                                fit_programs, one_link)
 from dtp.zero.measure import FullTensorTracker
 
-REPEATS = 5  # the fastest of a few runs: the least disturbed by whatever else the machine does
+FLOAT_BYTES = 4
 
 
-def _timed(function) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    function()
-    took = time.perf_counter() - start
-    times = torch.tensor([took])
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the step ends when its slowest rank does
-    return float(times)
+def on_gloo(program, op: str) -> list:
+    """A model program whose issue steps carry a size (numel per rank) as a program to run:
+    ("issue", name, numel) -> ("issue", name, op, numel)."""
+    return [("issue", step[1], op, int(step[2])) if step[0] == "issue" else step for step in program]
 
 
-def _fastest(function) -> float:
-    _timed(function)  # warm-up: gloo sets up its buffers on a size's first use
-    return min(_timed(function) for _ in range(REPEATS))
-
-
-# --- ZeRO-3's forward: L units, each all-gathered before a compute of f seconds ---------------
-
-def _zero3_forward_rank(rank, world_size, units, numel, compute_s, depths):
-    pieces = [torch.full((numel // world_size,), float(rank)) for _ in range(units)]
-
-    def gather(index):
-        full = torch.empty(numel, dtype=torch.float32)
-        return full, dist.all_gather_single(full, pieces[index], async_op=True)
-
-    def forward(depth):
-        in_flight = {}
-        for index in range(units):
-            for ahead in range(index, min(units, index + depth + 1)):  # this unit and `depth` more in flight
-                if ahead not in in_flight:
-                    in_flight[ahead] = gather(ahead)
-            full, handle = in_flight.pop(index)
-            handle.wait()
-            time.sleep(compute_s)  # the unit's compute, which needs `full`
-            del full
-
-    gather_s = _fastest(lambda: gather(0)[1].wait())
-    result = {"gather_s": gather_s, "compute_s": compute_s, "units": units}
-    for depth in depths:
-        tracker = FullTensorTracker()
-        with tracker:
-            forward(depth)  # the bytes alive, counted after every operation (one run)
-        result[depth] = {"step_s": _fastest(lambda: forward(depth)), "peak_bytes": tracker.peaks.get("start", 0)}
-    return result
-
-
-def measure_zero3_forward(world_size=2, units=6, numel=2**21, compute_s=0.02, depths=(0, 1, 2)) -> dict:
-    """ZeRO-3's forward on gloo with prefetch depth 0 (gather, wait, compute), 1 and 2: per depth
-    the step time, exposed time (step - L·f) and the peak bytes of gathered weights alive."""
-    result = run_world(_zero3_forward_rank, world_size, (units, numel, compute_s, depths))[0]
-    for depth in depths:
-        result[depth]["exposed_s"] = result[depth]["step_s"] - units * compute_s
-    return result
+def _row(label, measured, predicted):
+    return {"label": label, "measured_s": measured, "model_s": predicted}
 
 
 # --- DDP: buckets all-reduced during a backward of B seconds ----------------------------------
 
-def _ddp_rank(rank, world_size, buckets, numel, backward_s):
-    grads = [torch.ones(numel // buckets) for _ in range(buckets)]
-
-    def step(overlap):
-        handles = []
-        for bucket in range(buckets):
-            time.sleep(backward_s / buckets)  # backward produces this bucket's gradients
-            if overlap:
-                handles.append(dist.all_reduce(grads[bucket], async_op=True))
-        if not overlap:
-            handles = [dist.all_reduce(g, async_op=True) for g in grads]
-        for handle in handles:
-            handle.wait()
-
-    allreduce_s = _fastest(lambda: [dist.all_reduce(g) for g in grads])
-    return {"allreduce_s": allreduce_s, "backward_s": backward_s, "buckets": buckets,
-            "after_s": _fastest(lambda: step(False)), "overlapped_s": _fastest(lambda: step(True))}
+def _ddp_rank(rank, world_size, numel, backward_s, bucket_counts, after_buckets):
+    link = one_link()
+    sizes = sorted({numel // b for b in (*bucket_counts, after_buckets)})
+    programs = fit_programs("all_reduce", sizes)
+    programs.update({b: on_gloo(model.ddp_program(numel, backward_s, b), "all_reduce") for b in bucket_counts})
+    programs["after"] = on_gloo(model.after_backward_program(model.ddp_program(numel, backward_s, after_buckets)),
+                                "all_reduce")
+    exposed = exposed_times(programs, link)
+    return {"fit": fit_from(exposed, "all_reduce", sizes), "measured": exposed}
 
 
-def measure_ddp(world_size=2, buckets=4, numel=2**22, backward_s=0.08) -> dict:
-    result = run_world(_ddp_rank, world_size, (buckets, numel, backward_s))[0]
-    for key in ("after", "overlapped"):
-        result[f"{key}_exposed_s"] = result[f"{key}_s"] - backward_s
-    return result
+def measure_ddp(world_size=2, numel=2**23, backward_s=0.04, bucket_counts=(1, 2, 4, 8, 16, 32),
+                after_buckets=4) -> dict:
+    """DDP's backward of `backward_s` over `numel` float32 gradients in b equal buckets, each
+    all-reduced as soon as backward has produced it, for every b; and `after_buckets` buckets
+    all-reduced after backward. Model: `model.ddp_exposed(C, B, b, alpha, launch=...)` with the
+    fitted alpha less the measured launch, C = beta·bytes of all gradients; after backward, the
+    model's program of that, simulated."""
+    result = run_world(_ddp_rank, world_size, (numel, backward_s, tuple(bucket_counts), after_buckets))[0]
+    fit, measured = result["fit"], result["measured"]
+    c, launch = bandwidth_time(fit, numel), fit["launch"]
+    alpha = max(0.0, fit["alpha"] - launch)  # the fitted alpha includes one launch; the rest is the link's
+    after = model.after_backward_program(model.ddp_program(c, backward_s, after_buckets, alpha))
+    rows = [_row(f"{after_buckets} buckets, all-reduced after backward", measured["after"],
+                 model.program_exposed(after, launch=launch))]
+    rows += [_row(f"{b} bucket{'s' if b > 1 else ''} during backward", measured[b],
+                  model.ddp_exposed(c, backward_s, b, alpha, launch=launch)) for b in bucket_counts]
+    best = model.ddp_best_buckets(c, backward_s, alpha, launch=launch)
+    return {"rows": rows, "fit": fit, "allreduce_s": c, "backward_s": backward_s, "model_best_buckets": best,
+            "measured_best_buckets": min(bucket_counts, key=lambda b: measured[b]), "numel": numel}
 
 
-# --- collective matmul: t ring steps, each transfer under a chunk's compute --------------------
+# --- ZeRO-3's forward: units all-gathered before a compute of f seconds -----------------------
 
-def _ring_rank(rank, world_size, numel, gemm_s):
-    t = world_size
-    chunk = torch.full((numel,), float(rank))
+def _zero3_rank(rank, world_size, layouts, compute_over_gather):
+    link = one_link()
+    pieces = {n // world_size for units, _ in layouts.values() for n in units}
+    sizes = sorted(pieces | {min(pieces) // 2, min(pieces) * 2})  # the sizes it gathers, and around them
+    first = fit_alpha_beta(link, "all_gather", sizes, FIRST_ESTIMATE_ROUNDS)
+    compute_s = compute_over_gather * (first["alpha"] + bandwidth_time(first, min(pieces)))
+    programs = fit_programs("all_gather", sizes)
+    for key, (units, depth) in layouts.items():
+        program = model.fsdp_forward_program([n // world_size for n in units], [compute_s] * len(units), depth)
+        programs[key] = on_gloo(program, "all_gather")
+    measured = exposed_times(programs, link)
+    fit = fit_from(measured, "all_gather", sizes)
+    peaks = {key: _gathered_peak([n // world_size for n in units], depth, compute_s) for key, (units, depth) in layouts.items()}
+    even = next(units for units, _ in layouts.values())
+    kept = _gathered_peak([n // world_size for n in even], 0, compute_s, keep_handles=True)
+    return {"fit": fit, "compute_s": compute_s, "measured": measured, "peak_bytes": peaks,
+            "peak_bytes_handle_kept": kept}
 
-    def plain():
-        gathered = torch.empty(numel * t)
-        dist.all_gather_single(gathered, chunk)
-        time.sleep(gemm_s)  # the whole GEMM, after the whole all-gather
 
-    def ring():
-        current = chunk
-        for step in range(t):
-            if step < t - 1:
-                incoming = torch.empty_like(current)
-                handles = [dist.isend(current, (rank + 1) % t), dist.irecv(incoming, (rank - 1) % t)]
-            time.sleep(gemm_s / t)  # this chunk's GEMM
-            if step < t - 1:
-                for handle in handles:
+def _gathered_peak(pieces, depth, compute_s, keep_handles=False) -> int:
+    """The most bytes of gathered weights alive after any operation, in one forward with prefetch
+    `depth` on the default group (counted by dtp.zero.measure.FullTensorTracker). A finished
+    collective's handle keeps its output alive: it is dropped with the buffer, unless
+    `keep_handles` (the handle then lives until the next unit's is taken, as in a loop that
+    only deletes the buffer)."""
+    import torch
+    import torch.distributed as dist
+
+    def gather(index):
+        full = torch.empty(pieces[index] * dist.get_world_size())
+        return full, dist.all_gather_into_tensor(full, torch.ones(pieces[index]), async_op=True)
+
+    tracker = FullTensorTracker()
+    with tracker:  # the same program, with the buffers allocated when issued and freed after use
+        in_flight = {}
+        for index in range(len(pieces)):
+            for ahead in range(index, min(len(pieces), index + depth + 1)):
+                if ahead not in in_flight:
+                    in_flight[ahead] = gather(ahead)
+                if ahead == index:
+                    full, handle = in_flight.pop(index)
                     handle.wait()
-                current = incoming
-
-    def gather_alone():
-        gathered = torch.empty(numel * t)
-        dist.all_gather_single(gathered, chunk)
-
-    return {"allgather_s": _fastest(gather_alone), "gemm_s": gemm_s, "chunks": t,
-            "plain_s": _fastest(plain), "ring_s": _fastest(ring)}
+            time.sleep(compute_s)  # the unit's compute; gloo lets go of the finished gather meanwhile
+            del full
+            if not keep_handles:
+                del handle
+    return tracker.peaks.get("start", 0)
 
 
-def measure_collective_matmul(world_size=4, numel=2**20, gemm_s=0.06) -> dict:
-    result = run_world(_ring_rank, world_size, (numel, gemm_s))[0]
-    result["plain_exposed_s"] = result["plain_s"] - gemm_s
-    result["ring_exposed_s"] = result["ring_s"] - gemm_s
-    return result
+def measure_zero3_forward(world_size=2, units=6, numel=2**20, compute_over_gather=1.5, depths=(0, 1, 2),
+                          big_unit=3, big_factor=3, uneven_depths=(1, 2)) -> dict:
+    """ZeRO-3's forward on gloo, every unit's gather waited on before the next is issued, with
+    prefetch depth 0 (gather, wait, compute), 1 and 2; and the same with unit `big_unit` gathering
+    `big_factor` times the bytes (an embedding, or uneven wrapping) at `uneven_depths`. Each unit
+    computes `compute_over_gather` times the fitted gather of an ordinary unit, so that equal
+    units hide all but the first gather and the big one sticks out. Per row: measured and
+    modelled exposed time, and the peak bytes of gathered weights."""
+    even = [numel] * units
+    uneven = [numel * (big_factor if i == big_unit else 1) for i in range(units)]
+    layouts = {("even", d): (even, d) for d in depths}
+    layouts.update({("uneven", d): (uneven, d) for d in uneven_depths})
+    result = run_world(_zero3_rank, world_size, (layouts, compute_over_gather))[0]
+    fit, compute_s = result["fit"], result["compute_s"]
+    launch = fit["launch"]
+    alpha = max(0.0, fit["alpha"] - launch)  # the fitted alpha includes one launch
+
+    def gather_s(n):
+        return bandwidth_time(fit, n // world_size)
+
+    rows = []
+    for key, (sizes, depth) in layouts.items():
+        if key[0] == "even":
+            predicted = model.fsdp_forward_exposed(units, gather_s(numel), compute_s, depth > 0, alpha, launch=launch)
+            label = f"depth {depth}" + (", equal units" if depth == 0 else "")
+        else:
+            predicted = model.fsdp_forward_exposed_units([alpha + gather_s(n) for n in sizes], [compute_s] * units,
+                                                         depth, launch=launch)
+            label = f"depth {depth}, unit {big_unit} {big_factor}x larger"
+        row = _row(label, result["measured"][key], predicted)
+        row.update(depth=depth, peak_bytes=result["peak_bytes"][key], unit_bytes=numel * FLOAT_BYTES,
+                   units_alive=model.fsdp_gathered_units_alive(depth, units))
+        rows.append(row)
+    return {"rows": rows, "fit": fit, "units": units, "compute_s": compute_s, "gather_s": fit["alpha"] + gather_s(numel),
+            "peak_bytes_handle_kept": result["peak_bytes_handle_kept"],
+            "unit_bytes": numel * FLOAT_BYTES, "big_unit": big_unit, "big_factor": big_factor}
+
+
+# --- collective matmul: t ring steps, each transfer under a piece's product --------------------
+
+def _ring_rank(rank, world_size, numel, gemm_over_transfer):
+    link = one_link()
+    sizes = [numel // 4, numel // 2, numel]
+    first = fit_alpha_beta(link, "exchange", sizes, FIRST_ESTIMATE_ROUNDS)
+    gemm_s = gemm_over_transfer * (first["alpha"] + bandwidth_time(first, numel)) * world_size  # per piece: that share
+    programs = {**fit_programs("exchange", sizes), **fit_programs("all_gather", sizes)}
+    programs["plain"] = [("issue", "all", "all_gather", numel), ("wait", "all"), ("compute", gemm_s)]
+    programs["ring"] = on_gloo(model.collective_matmul_program(numel * (world_size - 1), gemm_s, world_size), "exchange")
+    measured = exposed_times(programs, link)
+    return {"exchange": fit_from(measured, "exchange", sizes), "gather": fit_from(measured, "all_gather", sizes),
+            "gemm_s": gemm_s, "measured": measured}
+
+
+def measure_collective_matmul(world_size=4, numel=2**20, gemm_over_transfer=0.3) -> dict:
+    """All-gather then product, and collective matmul, on `world_size` ranks each holding `numel`
+    float32 of X. The product's length is set from the fitted ring step, so that each piece's
+    product covers `gemm_over_transfer` of a transfer and the model predicts something to
+    measure on any machine. Model: `model.collective_matmul_exposed` with the fitted alphas."""
+    result = run_world(_ring_rank, world_size, (numel, gemm_over_transfer))[0]
+    t, gemm_s = world_size, result["gemm_s"]
+    exchange, gather = result["exchange"], result["gather"]
+    rows = [_row("all-gather, then the product", result["measured"]["plain"],
+                 model.collective_matmul_exposed(bandwidth_time(gather, numel), gemm_s, 1, gather["alpha"])),
+            _row(f"collective matmul, t = {t}", result["measured"]["ring"],
+                 model.collective_matmul_exposed((t - 1) * bandwidth_time(exchange, numel), gemm_s, t,
+                                                 exchange["alpha"]))]
+    return {"rows": rows, "exchange": exchange, "gather": gather, "gemm_s": gemm_s, "chunks": t,
+            "transfer_s": exchange["alpha"] + bandwidth_time(exchange, numel)}
 
 
 # --- TP and EP: a collective the next op needs, and two micro-batches -------------------------
 
-def _tp_ep_rank(rank, world_size, numel, compute_s):
-    data = torch.ones(numel)
-    outputs = torch.empty(numel)
-
-    def all_to_all():
-        dist.all_to_all_single(outputs, data)
-
-    def serial_micro_batches():
-        for _ in range(2):  # each micro-batch: dispatch + combine, then its compute
-            all_to_all()
-            all_to_all()
-            time.sleep(compute_s)
-
-    def two_micro_batches():
-        # micro-batch A's all-to-alls run while micro-batch B computes, and the other way round
-        first = [dist.all_to_all_single(torch.empty(numel), data, async_op=True) for _ in range(2)]
-        time.sleep(compute_s)  # B's compute (its all-to-alls were done in the previous layer)
-        for handle in first:
-            handle.wait()
-        second = [dist.all_to_all_single(torch.empty(numel), data, async_op=True) for _ in range(2)]
-        time.sleep(compute_s)  # A's compute, under B's all-to-alls
-        for handle in second:
-            handle.wait()
-
-    def tp_forward():
-        dist.all_reduce(data)  # the next matrix product needs its result: nothing to hide it under
-        time.sleep(compute_s)
-
-    def tp_backward():
-        handle = dist.all_reduce(data, async_op=True)  # the input gradient's all-reduce ...
-        time.sleep(compute_s)  # ... under the weight-gradient product, which does not need it
-        handle.wait()
-
-    return {"all_to_all_s": 2 * _fastest(all_to_all), "all_reduce_s": _fastest(lambda: dist.all_reduce(data)),
-            "compute_s": compute_s, "ep_serial_s": _fastest(serial_micro_batches),
-            "ep_overlapped_s": _fastest(two_micro_batches), "tp_forward_s": _fastest(tp_forward),
-            "tp_backward_s": _fastest(tp_backward)}
+def tp_programs(numel, compute_s) -> dict:
+    forward = [("issue", "a", "all_reduce", numel), ("wait", "a"), ("compute", compute_s)]
+    backward = [("issue", "a", "all_reduce", numel), ("compute", compute_s), ("wait", "a")]
+    return {"forward": forward, "backward": backward}
 
 
-def measure_tp_and_ep(world_size=2, numel=2**21, compute_s=0.03) -> dict:
-    result = run_world(_tp_ep_rank, world_size, (numel, compute_s))[0]
-    result["ep_serial_exposed_s"] = result["ep_serial_s"] - 2 * compute_s
-    result["ep_overlapped_exposed_s"] = result["ep_overlapped_s"] - 2 * compute_s
-    result["tp_forward_exposed_s"] = result["tp_forward_s"] - compute_s
-    result["tp_backward_exposed_s"] = result["tp_backward_s"] - compute_s
-    return result
+def ep_programs(numel, compute_s) -> dict:
+    """Per micro-batch a dispatch and a combine all-to-all, then its compute; overlapped, micro-
+    batch A's pair runs under B's compute and then B's under A's."""
+    def pair(tag):
+        return [("issue", f"{tag}1", "all_to_all", numel), ("issue", f"{tag}2", "all_to_all", numel)]
+
+    def waits(tag):
+        return [("wait", f"{tag}1"), ("wait", f"{tag}2")]
+
+    serial = pair("a") + waits("a") + [("compute", compute_s)] + pair("b") + waits("b") + [("compute", compute_s)]
+    overlapped = pair("a") + [("compute", compute_s)] + waits("a") + pair("b") + [("compute", compute_s)] + waits("b")
+    return {"serial": serial, "overlapped": overlapped}
 
 
-# --- what FSDP2 issues, and when, on the pinned torch ------------------------------------------
-
-def _fsdp2_rank(rank, world_size, forward_prefetch):
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    if forward_prefetch:
-        for layer, following in zip(model, list(model)[1:]):
-            layer.set_modules_to_forward_prefetch([following])
-    x = torch.randn(4, 16)
-    model(x).sum().backward()  # FSDP2 initialises lazily, on the first forward
-    tracker = FullTensorTracker()  # tags each product with the all-gathers its operands came from
-    with CommunicationLog() as log, tracker, ComputeRecorder(log.events, tracker):
-        log.mark("forward")
-        loss = model(x).sum()
-        log.mark("backward")
-        loss.backward()
-        log.mark("end")
-    return plain_events(log.events)
+def _tp_ep_rank(rank, world_size, numel, compute_over_comm):
+    link = one_link()
+    sizes, ops = [numel // 4, numel // 2, numel], ("all_reduce", "all_to_all")
+    first = {op: fit_alpha_beta(link, op, sizes, FIRST_ESTIMATE_ROUNDS) for op in ops}
+    a = first["all_reduce"]["alpha"] + bandwidth_time(first["all_reduce"], numel)
+    c = 2 * (first["all_to_all"]["alpha"] + bandwidth_time(first["all_to_all"], numel))
+    tp_compute, ep_compute = compute_over_comm * a, compute_over_comm * c
+    programs = {key: program for op in ops for key, program in fit_programs(op, sizes).items()}
+    programs.update({("tp", k): p for k, p in tp_programs(numel, tp_compute).items()})
+    programs.update({("ep", k): p for k, p in ep_programs(numel, ep_compute).items()})
+    measured = exposed_times(programs, link)
+    return {"fits": {op: fit_from(measured, op, sizes) for op in ops}, "tp_compute_s": tp_compute,
+            "ep_compute_s": ep_compute, "measured": measured}
 
 
-def fsdp2_events(forward_prefetch: bool = False, world_size: int = 2) -> list[dict]:
-    """Rank 0's ordered all-gathers, waits and products in one step of FSDP2 (`fully_shard` per
-    Linear of a 4-layer model), with or without `set_modules_to_forward_prefetch`."""
-    return run_world(_fsdp2_rank, world_size, (forward_prefetch,))[0]
-
-
-def gathers_issued_ahead(events: list[dict], phase: str, stop: str) -> tuple[int, int]:
-    """(all-gathers of the phase issued before the first product that uses the previous
-    all-gather's weights, all-gathers of the phase after the first): issued ahead means the
-    gather could run under the previous unit's compute. Products carry the numbers of the
-    gathers their operands came from (`ComputeRecorder` with a tracker)."""
-    labels = [e.get("label") for e in events]
-    begin, end = labels.index(phase), labels.index(stop)
-    numbered = {i: n for n, i in enumerate((i for i, e in enumerate(events) if e["op"] == "all_gather"), 1)}
-    gathers = [i for i in range(begin, end) if i in numbered]
-    ahead = 0
-    for previous, current in zip(gathers, gathers[1:]):
-        first_use = next((i for i in range(previous, end) if events[i]["op"] == "compute"
-                          and numbered[previous] in events[i].get("gathers", [])), end)
-        ahead += current < first_use
-    return ahead, max(0, len(gathers) - 1)
+def measure_tp_and_ep(world_size=2, numel=2**21, compute_over_comm=0.4) -> dict:
+    """A TP all-reduce waited on before the product that needs it, and one under a product that
+    does not (the weight gradient); a MoE layer's two micro-batches serial and overlapped. The
+    computation is `compute_over_comm` of the fitted communication, so the overlapped rows leave
+    something exposed to predict. Model: `tp_layer_exposed`'s phases and `ep_exposed`."""
+    result = run_world(_tp_ep_rank, world_size, (numel, compute_over_comm))[0]
+    fits, measured = result["fits"], result["measured"]
+    ar, a2a = fits["all_reduce"], fits["all_to_all"]
+    a, alpha = bandwidth_time(ar, numel), ar["alpha"]
+    c, w, f = 2 * bandwidth_time(a2a, numel), result["tp_compute_s"], result["ep_compute_s"]
+    tp_rows = [_row("forward: the next product needs it", measured[("tp", "forward")], a + alpha),
+               _row("backward: under the weight-gradient product", measured[("tp", "backward")],
+                    model.exposed(a + alpha, w))]
+    ep_rows = [_row("one micro-batch after the other", measured[("ep", "serial")],
+                    model.ep_exposed(c, f, False, a2a["alpha"])),
+               _row("two micro-batches, overlapped", measured[("ep", "overlapped")],
+                    model.ep_exposed(c, f, True, a2a["alpha"]))]
+    return {"tp_rows": tp_rows, "ep_rows": ep_rows, "fits": fits, "tp_compute_s": w, "ep_compute_s": f,
+            "compute_over_comm": compute_over_comm}

@@ -146,3 +146,62 @@ def test_allgather_kv_attention_equals_attention_and_sends_the_formula():
         torch.testing.assert_close(out, wanted[:, cp.zigzag_positions(seq, c)[rank]])
         # its block goes to each of the c - 1 others
         assert (c - 1) * contributed == cp.allgather_kv_bytes_per_layer(seq, heads * d, c, dtype_bytes=8)
+
+
+def test_ulysses_under_gqa_replicates_kv_heads_and_sends_more_than_the_ring_until_c_is_large():
+    # with at least c KV heads, the plain formula
+    assert cp.ulysses_gqa_bytes_per_layer(4096, 32, 8, 128, 8) == cp.ulysses_bytes_per_layer(4096, 32 * 128, 8 * 128, 8)
+    # fewer KV heads than ranks: each rank gets a copy of the KV head its query heads share
+    assert cp.ulysses_gqa_bytes_per_layer(4096, 16, 1, 128, 8) == cp.ulysses_bytes_per_layer(4096, 16 * 128, 8 * 128, 8)
+    with pytest.raises(ValueError):
+        cp.ulysses_gqa_bytes_per_layer(4096, 16, 3, 128, 4)
+    # Llama 3 405B: 128 query heads, 8 KV heads; without TP Ulysses sends less only from c = 32
+    assert cp.ulysses_ring_crossover(128, 8, 128) == 32
+    assert cp.ulysses_over_ring_bytes(128, 8, 128, 16) > 1 > cp.ulysses_over_ring_bytes(128, 8, 128, 32)
+    # per TP rank (TP 8): 16 query heads and 1 KV head: never
+    assert cp.ulysses_ring_crossover(16, 1, 128) is None
+    assert cp.ulysses_over_ring_bytes(16, 1, 128, 16) == pytest.approx(2.0)
+    # multi-head attention: Ulysses wins from c = 3 (c > heads/kv + 1 = 2)
+    assert cp.ulysses_ring_crossover(12, 12, 64) == 3
+
+
+def test_a_causal_zigzag_step_needs_twice_the_tokens_to_hide_its_transfer():
+    plain = cp.ring_step_hiding_tokens(989e12, 50e9, 16384, 1024, 2)
+    assert plain == math.ceil(1024 * 2 * 989e12 / (2 * 16384 * 50e9)) == 1237
+    assert cp.ring_step_hiding_tokens(989e12, 50e9, 16384, 1024, 2, causal_zigzag=True) == 2 * plain
+    # a full block's FLOPs (4 b^2 h) cover its transfer (2 b h_kv bytes) at that b, not one token below
+    def compute_s(b):
+        return 4 * b**2 * 16384 / 989e12
+
+    def transfer_s(b):
+        return 2 * b * 1024 * 2 / 50e9
+
+    assert compute_s(plain) >= transfer_s(plain) and compute_s(plain - 1) < transfer_s(plain - 1)
+    # zigzag: a step on another rank's block computes half a block
+    assert compute_s(2 * plain) / 2 >= transfer_s(2 * plain) and compute_s(2 * plain - 2) / 2 < transfer_s(2 * plain - 2)
+
+
+@pytest.mark.parametrize("c", [2, 3, 4, 8])
+def test_causal_ring_time_counts_the_busiest_rank_of_each_step(c):
+    seq = 8 * c
+    for layout, positions in (("contiguous", cp.contiguous_positions(seq, c)), ("zigzag", cp.zigzag_positions(seq, c))):
+        pieces = 2 if layout == "zigzag" else 1
+        total = 0.0
+        for step in range(c):
+            busiest = 0.0
+            for rank in range(c):
+                source = (rank - step) % c
+                pairs = sum(not kp.min() > qp.max() for qp in positions[rank].chunk(pieces)
+                            for kp in positions[source].chunk(pieces))
+                busiest = max(busiest, pairs / pieces**2)  # in blocks
+            total += busiest
+        assert total == pytest.approx(cp.causal_ring_time_in_blocks(c, layout))
+    assert cp.causal_ring_time_in_blocks(16, "contiguous") / cp.causal_ring_time_in_blocks(16, "zigzag") > 1.9
+
+
+def test_torch_head_tail_load_balancer_is_the_zigzag_layout():
+    """The pinned torch's experimental context parallelism balances a causal mask with the same
+    layout as the course's zigzag (rank r: chunks r and 2c-1-r)."""
+    for seq, c in ((16, 2), (32, 4), (48, 3)):
+        assert [p.tolist() for p in cp.torch_head_tail_positions(seq, c)] == [
+            p.tolist() for p in cp.zigzag_positions(seq, c)]

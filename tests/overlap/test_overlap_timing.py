@@ -1,0 +1,62 @@
+"""The page's measuring harness (dtp.overlap.timing, dtp.overlap.measure): what it runs is the
+model's own program, its collectives run one after another, its fit recovers alpha and beta, and
+the memory it reports is the (1 + d) units the model says. Nothing here asserts a time."""
+import numpy as np
+import pytest
+import torch
+
+from dtp.common.world import run_world
+from dtp.overlap import measure, model, timing
+
+
+def test_the_fit_recovers_alpha_and_beta_and_never_a_negative_alpha():
+    numel = [1000, 4000, 16000]
+    alpha, beta = 2e-4, 3e-9
+    fit = timing.alpha_beta_from_times(numel, [alpha + beta * 4 * n for n in numel])
+    assert fit["alpha"] == pytest.approx(alpha) and fit["beta"] == pytest.approx(beta)
+    # a negative intercept is noise: the line through 0 instead
+    fit = timing.alpha_beta_from_times(numel, [-1e-4 + beta * 4 * n for n in numel])
+    assert fit["alpha"] == 0.0 and fit["beta"] > 0
+
+
+def test_the_measured_programs_are_the_models_with_sizes_for_times():
+    program = measure.on_gloo(model.ddp_program(2**20, 0.02, 4), "all_reduce")
+    assert [step[0] for step in program] == ["compute", "issue"] * 4 + ["wait"] * 4
+    assert {step[3] for step in program if step[0] == "issue"} == {2**18}
+    assert timing.compute_only(program) == [("compute", 0.005)] * 4
+    late = model.after_backward_program(program)
+    assert [step[0] for step in late] == ["compute"] * 4 + ["issue"] * 4 + ["wait"] * 4
+    ring = measure.on_gloo(model.collective_matmul_program(3 * 1000, 0.04, 4), "exchange")
+    assert [step[0] for step in ring] == ["issue", "compute", "wait"] * 3 + ["compute"]
+    with pytest.raises(ValueError, match="unknown collective"):
+        timing.buffers([("issue", "x", "broadcast", 10)])
+
+
+def _order_on_one_link(rank, world_size):
+    link = timing.one_link()
+    big, small = torch.ones(2**21), torch.ones(4)
+    first, second = link.allreduce([big]), link.allreduce([small])
+    second.wait()
+    in_order = first.is_completed()  # one worker thread: the first issued finished before the second
+    first.wait()
+    return in_order
+
+
+def test_the_one_link_group_runs_collectives_in_the_order_issued():
+    assert all(run_world(_order_on_one_link, 2))
+
+
+def _peaks(rank, world_size, depth, keep):
+    return measure._gathered_peak([2**12] * 4, depth, 0.002, keep_handles=keep)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_prefetch_depth_d_keeps_one_plus_d_units_gathered(depth):
+    unit_bytes = 2 * 2**12 * 4  # two ranks' pieces of float32
+    assert run_world(_peaks, 2, (depth, False))[0] == (1 + depth) * unit_bytes == \
+        model.fsdp_gathered_units_alive(depth, 4) * unit_bytes
+
+
+def test_a_kept_handle_keeps_the_previous_unit_gathered():
+    """A finished Work holds its output: keeping the handle past the buffer costs one unit."""
+    assert run_world(_peaks, 2, (0, True))[0] == 2 * (2 * 2**12 * 4)

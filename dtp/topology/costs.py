@@ -24,6 +24,9 @@ from dtp.memory import formulas as memory
 from dtp.topology.shapes import expert_tokens_per_gpu, parameter_counts
 
 ELEMENTWISE_PASSES = 5  # forward: write + read; backward: read, write the gradient, read it
+# flash attention's backward over its forward, in FLOPs (Dao-AILab/flash-attention's benchmarks count 2.5x: the
+# backward recomputes the scores and computes dQ, dK and dV)
+FLASH_BACKWARD_OVER_FORWARD = 2.5
 
 
 def gemm_seconds(m: float, n: float, k: float, peak_flops: float, hbm_bytes_per_s: float, ceiling: float,
@@ -156,29 +159,37 @@ def mlp_extra_bytes_per_token(model, recompute: str) -> float:
 
 def micro_batch_compute(model, cluster, training, layout) -> dict[str, float]:
     """Seconds one GPU computes per micro-batch, per layer: "layer_forward" and "layer_backward"
-    (backward's GEMMs take twice forward's: input and weight gradients, recomputation added),
-    "layer_forward_gemm" (the weight-gradient GEMMs' half of backward, which TP's backward
+    (backward's GEMMs take twice forward's: input and weight gradients, recomputation added; flash
+    attention's backward recomputes the scores, 2.5 times its forward's FLOPs, as the
+    flash-attention repository's benchmarks count them, so selective recomputation adds nothing to
+    it), "layer_forward_gemm" (the weight-gradient GEMMs' half of backward, which TP's backward
     collectives can hide under) and "layer_attention" (QKᵀ and AV); and the output layer's
     "logits" GEMM and the loss, forward (backward takes twice that), on the last stage: the
     cross-entropy over the fp32 logits is elementwise work over their bytes, as a layer's is."""
     layer = forward_layer_seconds(model, cluster, training, layout)
-    recomputed = {"none": 0.0, "selective": layer["attention_core"],
+    attention = layer["attention_core"]
+    recomputed = {"none": 0.0, "selective": 0.0 if training.flash_attention else attention,
                   "full": layer["gemm"] + layer["elementwise"] * 2 / ELEMENTWISE_PASSES}[training.recompute]
+    flash_backward = FLASH_BACKWARD_OVER_FORWARD - 2 if training.flash_attention else 0.0
     tokens = training.micro_batch * model.seq // layout.cp
     logits = gemm_seconds(tokens, model.vocab / layout.tp, model.hidden, cluster.peak_flops, cluster.hbm_bytes_per_s,
                           cluster.gemm_ceiling)
     logits += ELEMENTWISE_PASSES / 3 * memory.logits_bytes(model.seq, training.micro_batch, model.vocab, layout.tp,
                                                            layout.cp) / cluster.hbm_bytes_per_s
     return {"layer_forward": layer["gemm"] + layer["elementwise"] * 2 / ELEMENTWISE_PASSES,
-            "layer_backward": 2 * layer["gemm"] + layer["elementwise"] * 3 / ELEMENTWISE_PASSES + recomputed,
-            "layer_forward_gemm": layer["gemm"], "layer_attention": layer["attention_core"],
+            "layer_backward": 2 * layer["gemm"] + flash_backward * attention
+            + layer["elementwise"] * 3 / ELEMENTWISE_PASSES + recomputed,
+            "layer_forward_gemm": layer["gemm"], "layer_attention": attention,
             "logits": logits / (1 - training.comm_sm_share)}
 
 
-def stage_compute(compute: dict, layers: int, output: bool) -> dict[str, float]:
-    """One stage's seconds per micro-batch: its layers, and the output layer on the last stage
-    (the embedding's lookup is not computation worth counting)."""
-    logits = compute["logits"] if output else 0.0
+def stage_compute(compute: dict, layers: int, output: bool, mtp_modules: int = 0) -> dict[str, float]:
+    """One stage's seconds per micro-batch: its layers, and the output layer on the last stage,
+    with each multi-token-prediction module's block and pass through the output head (the
+    embedding's lookup is not computation worth counting)."""
+    if output:
+        layers += mtp_modules
+    logits = compute["logits"] * (1 + mtp_modules) if output else 0.0
     return {"forward": layers * compute["layer_forward"] + logits,
             "backward": layers * compute["layer_backward"] + 2 * logits,
             "weight_gradient": layers * compute["layer_forward_gemm"] + logits}

@@ -6,7 +6,8 @@
         --global-batch 1024 --gpu a100-80gb --gpus 512 --network-gbit 100
 
 A model by preset (`dtp.topology.presets`) or by its shape; a cluster by GPU type, count, GPUs per
-node and links; the sequence length and global batch (the preset's unless given); the framework
+node and links (the practised model's measured constants, and its one calibrated constant,
+`dtp.topology.validation.calibrated_gemm_share`); the sequence length and global batch (the preset's unless given); the framework
 whose rules and switches the layouts follow (`dtp.topology.frameworks`). It prints the fastest
 layouts as a table (or, with --json, as JSON for scripts), each with its memory per GPU, step time,
 MFU and where the time goes; a progress bar on stderr while it searches when stderr is a terminal.
@@ -19,7 +20,7 @@ import dataclasses
 import json
 import sys
 
-from dtp.topology import clusters, frameworks, presets, search
+from dtp.topology import clusters, frameworks, presets, search, validation
 from dtp.topology.shapes import ModelShape, Training
 
 GIB = 2**30
@@ -112,8 +113,10 @@ def setup(argv) -> tuple:
         raise PlanError(f"{options.gpus} GPUs do not make whole nodes of {options.gpus_per_node}")
     if options.framework not in frameworks.FRAMEWORKS:
         raise PlanError(f"unknown framework {options.framework!r}: one of {', '.join(frameworks.FRAMEWORKS)}")
-    cluster = clusters.cluster(options.gpu, options.gpus, options.gpus_per_node, options.network_gbit,
-                               options.nvlink_gbyte * 1e9 if options.nvlink_gbyte else None)
+    # the practised model with its one calibrated constant (the GEMM share fitted on Megatron-LM 2021's Table 1)
+    cluster = validation.calibrated(clusters.cluster(options.gpu, options.gpus, options.gpus_per_node,
+                                                     options.network_gbit,
+                                                     options.nvlink_gbyte * 1e9 if options.nvlink_gbyte else None))
     training = frameworks.practised(Training(global_batch=batch), options.framework,
                                     max_context_parallel=options.max_cp)
     return options, model, cluster, training
@@ -129,7 +132,12 @@ def layout_of(row) -> dict:
 
 def summary(row) -> dict:
     return {**layout_of(row), "memory_gib": row["memory_bytes"] / GIB, "step_time_s": row["step_time_s"],
-            "mfu": row["mfu"], "seconds": {part: row["times"].get(part, 0.0) for part in PARTS}}
+            "mfu": row["mfu"], "seconds": {part: exposed(row["times"], part) for part in PARTS}}
+
+
+def exposed(times: dict, part: str) -> float:
+    """A part of the step; "dp" with the experts' gradients (expert_dp) too."""
+    return times.get(part, 0.0) + (times.get("expert_dp", 0.0) if part == "dp" else 0.0)
 
 
 def table(rows: list[dict], model: ModelShape) -> str:
@@ -143,7 +151,7 @@ def table(rows: list[dict], model: ModelShape) -> str:
         lines.append([str(rank), str(row["tp"]), str(row["cp"]), str(row["pp"]), str(row["chunks"]), ep or "-",
                       str(row["dp"]), zero, str(row["micro_batch"]), row["recompute"],
                       f"{row['memory_bytes'] / GIB:.1f}", f"{row['step_time_s']:.2f}", f"{row['mfu']:.1%}",
-                      *(f"{times.get(part, 0.0):.2f}" for part in ("compute", "tp", "cp", "ep", "dp", "pp", "bubble"))])
+                      *(f"{exposed(times, part):.2f}" for part in ("compute", "tp", "cp", "ep", "dp", "pp", "bubble"))])
     widths = [max(len(cell) for cell in column) for column in zip(header, *lines)]
     show = lambda cells: "  ".join(cell.rjust(width) for cell, width in zip(cells, widths))
     return "\n".join([show(header)] + [show(line) for line in lines])

@@ -22,7 +22,6 @@ what gloo runs send.
 """
 from __future__ import annotations
 
-import itertools
 import math
 
 from dtp.cp import context_parallel
@@ -312,7 +311,7 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(model: ModelShape, cluster: Cluster, training: Training) -> list[PlannedLayout]:
-    """Every layout the planner considers, fitting or not:
+    """Every layout the exercise's planner considers, fitting or not:
     - tp divides the GPUs of a node, the heads and the sequence (TP stays inside a node;
       sequence parallelism splits the sequence t ways);
     - pp divides the layers (equal stages), and dp = GPUs / (tp·pp) is a whole number;
@@ -323,16 +322,9 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, training: Training) -
     - MoE: experts tensor-parallel like the attention (expert_tp = t), or whole with their
       all-to-all group folded over TP and EP (expert_tp = 1, when t·e divides the experts);
     - micro-batches m = global batch / (dp · micro-batch size), a whole number, at least pp.
-    The roofline model searches further (none of it in the exercise's "fixed" model):
-    - the micro-batch size b over `training.micro_batch_choices` and the interleaved schedule's v
-      over `training.chunk_choices` (v > 1 only with pp > 1 and m a multiple of pp, as Megatron
-      requires);
-    - context parallelism c up to `training.max_context_parallel` for a dense model: c divides the
-      GPUs left by tp·pp and the sequence into 2c chunks (zigzag), dp = GPUs / (tp·cp·pp)."""
-    roofline = training.cost_model == "roofline"
-    sizes = (training.micro_batch_choices or (training.micro_batch,)) if roofline else (training.micro_batch,)
-    chunk_choices = (training.chunk_choices or (training.chunks,)) if roofline else (training.chunks,)
-    searched = roofline and (training.micro_batch_choices or training.chunk_choices)
+    The micro-batch size and the interleaving's v are the training's. The practised model
+    searches far more (dtp.topology.search: uneven stages, CP, b, v, recomputation, and only
+    what the framework runs)."""
     layouts = []
     for tp in divisors(cluster.gpus_per_node):
         if model.heads % tp or model.seq % tp:
@@ -340,24 +332,18 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, training: Training) -
         for pp in divisors(model.layers):
             if cluster.gpus % (tp * pp):
                 continue
-            for cp in divisors(min(cluster.gpus // (tp * pp), training.max_context_parallel if roofline else 1)):
-                if (cluster.gpus // (tp * pp)) % cp or (cp > 1 and (model.is_moe or model.seq % (2 * cp * tp))):
-                    continue
-                dp = cluster.gpus // (tp * cp * pp)
-                for b, v in itertools.product(sizes, chunk_choices):
-                    if training.global_batch % (dp * b):
-                        continue
-                    micro_batches = training.global_batch // (dp * b)
-                    if micro_batches < pp or (searched and v > 1 and (pp == 1 or micro_batches % pp)):
-                        continue
-                    extra = dict(cp=cp, micro_batch=b, chunks=v) if searched or cp > 1 else {}
-                    for ep in (divisors(math.gcd(dp, model.experts)) if model.is_moe else [1]):
-                        expert_tps = [tp] + ([1] if model.is_moe and tp > 1 and model.experts % (tp * ep) == 0 else [])
-                        for expert_tp in expert_tps:
-                            for stage in zero.STAGES:
-                                for every in ((0, 1) if stage >= 2 else (0,)):
-                                    layouts.append(PlannedLayout(tp, pp, dp, ep, stage, micro_batches, every, expert_tp,
-                                                                 **extra))
+            dp = cluster.gpus // (tp * pp)
+            if training.global_batch % (dp * training.micro_batch):
+                continue
+            micro_batches = training.global_batch // (dp * training.micro_batch)
+            if micro_batches < pp:
+                continue
+            for ep in (divisors(math.gcd(dp, model.experts)) if model.is_moe else [1]):
+                expert_tps = [tp] + ([1] if model.is_moe and tp > 1 and model.experts % (tp * ep) == 0 else [])
+                for expert_tp in expert_tps:
+                    for stage in zero.STAGES:
+                        for every in ((0, 1) if stage >= 2 else (0,)):
+                            layouts.append(PlannedLayout(tp, pp, dp, ep, stage, micro_batches, every, expert_tp))
     return layouts
 
 
@@ -387,7 +373,13 @@ def evaluate(model: ModelShape, cluster: Cluster, training: Training, layout: Pl
 
 
 def plan(model: ModelShape, cluster: Cluster, training: Training) -> list[dict]:
-    """The layouts of `candidate_layouts` that fit in a GPU's memory, fastest estimated step first."""
+    """The layouts that fit in a GPU's memory, fastest estimated step first: the exercise's
+    `candidate_layouts` with its model, or, with `cost_model="roofline"`, the practised search
+    (dtp.topology.search.plan's rows)."""
+    if training.cost_model == "roofline":
+        from dtp.topology import search  # it builds on this module
+
+        return search.plan(model, cluster, training)["rows"]
     rows = [evaluate(model, cluster, training, layout) for layout in candidate_layouts(model, cluster, training)]
     return sorted((row for row in rows if row["fits"]),
                   key=lambda row: (row["step_time_s"], *[row[field] for field in LAYOUT_FIELDS + SEARCHED_FIELDS]))

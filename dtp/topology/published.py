@@ -226,9 +226,11 @@ def megatron_core() -> list[PublishedRun]:
 # NVLink "fully overlapped", by kernels on 20 of the H800's 132 SMs (3.2.2, 3.5.1); the linear layers' GEMMs in
 # FP8, attention, embedding and output head in bf16 (3.3.1); dispatch in FP8, combine in bf16 (3.3.3). Modelled:
 # 61 GPT-attention layers of h = 7168 (MLA not modelled), 256 routed experts top-8 plus the shared expert as a ninth
-# active one, each expert an MLP of width 3072 (SwiGLU's three 7168 x 2048 matrices hold as many parameters).
+# active one, each expert an MLP of width 3072 (SwiGLU's three 7168 x 2048 matrices hold as many parameters); one
+# multi-token-prediction module (section 2.2, depth 1) on the last stage with the output head.
 DEEPSEEK_V3 = ModelShape(layers=61, hidden=7168, heads=128, vocab=129280, seq=4096, experts=256, top_k=9,
-                         expert_hidden=3072, shared_experts=1, max_nodes=4, name="DeepSeek-V3 (approximated)")
+                         expert_hidden=3072, shared_experts=1, max_nodes=4, mtp_modules=1,
+                         name="DeepSeek-V3 (approximated)")
 H800_SMS, DEEPSEEK_V3_COMMUNICATION_SMS = 132, 20
 # The best FP8 GEMM with DeepSeek-V3's fine-grained (1x128, 128x128) scaling in DeepGEMM's first release, measured
 # on an H800 over the shapes DeepSeek-V3 uses: 1358 TFLOP/s (its README of 2025-02-25).

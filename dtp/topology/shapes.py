@@ -42,6 +42,9 @@ class ModelShape:
     block: str = "gpt"
     ffn_hidden: int = 0  # the dense MLP's width (0: mlp_ratio·hidden)
     tied_embeddings: bool = False  # the output layer reuses the embedding (on the first and last stages)
+    # DeepSeek-V3's multi-token prediction (its section 2.2): each module, on the last stage, runs one more block
+    # (and an h x 2h projection) and the output head once more
+    mtp_modules: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -245,14 +248,17 @@ def parameter_counts(model: ModelShape) -> dict[str, int]:
     """"total", "active" (per token: k experts per block), "experts" (all experts' parameters,
     0 for a dense model) and "non_expert" (everything else: attention, norms, routers,
     embeddings, and a dense model's MLPs). A dense GPT's is dtp.memory's count of the torch model."""
-    if model.block == "gpt" and not model.is_moe and model.mlp_width == model.mlp_ratio * model.hidden:
+    if model.block == "gpt" and not model.is_moe and model.mlp_width == model.mlp_ratio * model.hidden \
+            and not model.mtp_modules:
         dense = memory.gpt_parameter_count(model.config)
         return {"total": dense, "active": dense, "experts": 0, "non_expert": dense}
     block = block_parameter_counts(model)
     mlps = model.experts * block["expert"] if model.is_moe else block["mlp"]
-    total = block["embedding"] + block["output"] + model.layers * (block["attention"] + mlps)
-    experts = model.layers * model.experts * block["expert"]
-    return {"total": total, "active": total - model.layers * (model.experts - model.top_k) * block["expert"],
+    blocks = model.layers + model.mtp_modules
+    total = block["embedding"] + block["output"] + blocks * (block["attention"] + mlps) \
+        + model.mtp_modules * 2 * model.hidden**2
+    experts = blocks * model.experts * block["expert"]
+    return {"total": total, "active": total - blocks * (model.experts - model.top_k) * block["expert"],
             "experts": experts, "non_expert": total - experts}
 
 

@@ -43,12 +43,15 @@ def stage_parameters(model, stage_layers: tuple[int, ...], index: int) -> dict[s
     copy of the embedding too, when the two are on different stages)."""
     block = block_parameter_counts(model)
     layers, last = stage_layers[index], index == len(stage_layers) - 1
+    if last:  # the multi-token-prediction modules' blocks and projections sit with the output head
+        layers += model.mtp_modules
     mlps = 0 if model.is_moe else block["mlp"]
     non_expert = layers * (block["attention"] + mlps)
     if index == 0:
         non_expert += block["embedding"]
     if last:
-        non_expert += block["output"] + (model.vocab * model.hidden if model.tied_embeddings and index > 0 else 0)
+        non_expert += block["output"] + (model.vocab * model.hidden if model.tied_embeddings and index > 0 else 0) \
+            + model.mtp_modules * 2 * model.hidden**2
     return {"non_expert": non_expert, "experts": layers * model.experts * block["expert"] if model.is_moe else 0.0}
 
 

@@ -234,10 +234,11 @@ def roofline_step_time(model, cluster, training, layout, seconds: dict[str, floa
         raise ValueError("DeepSpeed's pipeline does not interleave (chunks must be 1)")
     stage_times, stage_parts = [], []
     for index, layers in enumerate(stage_layers):
-        work = stage_compute(compute, layers, index == p - 1)
+        work = stage_compute(compute, layers, index == p - 1, model.mtp_modules)
         # DeepSpeed: a stage waits for each message it receives and sends (two per micro-batch at
         # the ends of the pipeline, four in its interior), one instruction after another
         waits = (2 if index in (0, p - 1) else 4) * message if deepspeed and p > 1 else 0.0
+        layers += model.mtp_modules if index == p - 1 else 0
         stage_parts.append((work, layers, waits))
         stage_times.append(work["forward"] + work["backward"] + layers * layer_comm + waits)
     slowest = max(range(p), key=stage_times.__getitem__)

@@ -71,7 +71,9 @@ PAGE_RESULTS = {
     "overlap": (["16.8", "25.2", "33.6"], False),  # ZeRO-3's gathered MB at prefetch depth 0, 1, 2 (1, 2, 3 units)
     "context_parallel": (["49,152", "144"], False),  # ring bytes per rank at c = 4; zigzag's equal causal work
     "topology": (["8192", "1024"], True),  # the notes' layout multiplied out, and with EP inside DP
-    "planner": (["408.6", "3.50"], True),  # the 409B model's parameters (B); DeepSeek-V3's IB copies M(N-1)/N
+    "planner": (["408.6"], True),  # the 409B model's parameters (B)
+    "planner_validation": (["3.50", "40.4%"], True),  # DeepSeek-V3's IB copies M(N-1)/N; Llama 3's 400/989.4
+    "planner_cli": (["python -m dtp.topology.plan --model moe-409b"], False),  # the command, run at build time
 }
 
 

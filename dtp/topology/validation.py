@@ -164,7 +164,7 @@ MISS_CAUSES = {
     "MT-NLG 530B": "micro_batch",
     "MegaScale's Megatron-LM": "micro_batch",
     "Llama 3 405B, 8,192 GPUs": "interleaving_memory",
-    "Llama 3 405B, 16,384 GPUs, CP 16": "attention_kernel",
+    "Llama 3 405B, 16,384 GPUs, CP 16": "recompute",
     "Megatron-Core GPT h=2,048": "per_step_costs",
     "Megatron-Core GPT h=4,096": "per_step_costs",
     "Megatron-Core GPT h=7,168": "dp_under_one_backward",

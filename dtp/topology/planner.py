@@ -373,13 +373,8 @@ def evaluate(model: ModelShape, cluster: Cluster, training: Training, layout: Pl
 
 
 def plan(model: ModelShape, cluster: Cluster, training: Training) -> list[dict]:
-    """The layouts that fit in a GPU's memory, fastest estimated step first: the exercise's
-    `candidate_layouts` with its model, or, with `cost_model="roofline"`, the practised search
-    (dtp.topology.search.plan's rows)."""
-    if training.cost_model == "roofline":
-        from dtp.topology import search  # it builds on this module
-
-        return search.plan(model, cluster, training)["rows"]
+    """The layouts of `candidate_layouts` that fit in a GPU's memory, fastest estimated step first
+    (with the training's cost model; the practised planner's wider search is dtp.topology.search.plan)."""
     rows = [evaluate(model, cluster, training, layout) for layout in candidate_layouts(model, cluster, training)]
     return sorted((row for row in rows if row["fits"]),
                   key=lambda row: (row["step_time_s"], *[row[field] for field in LAYOUT_FIELDS + SEARCHED_FIELDS]))

@@ -71,3 +71,13 @@ def test_a_model_by_its_shape_and_its_own_links():
                          "--global-batch", "256", "--gpu", "a100-40gb", "--gpus", "32", "--network-gbit", "100",
                          "--json", "--top", "1")
     assert status == 0 and json.loads(out)["layouts"][0]["memory_gib"] <= 40
+
+
+def test_whole_experts_are_named_with_their_effective_ep():
+    """The review's item: "expert TP 1" with TP 8 and EP 1 is an all-to-all over 8 GPUs: say so."""
+    from dtp.topology.report import layout_name
+
+    row = {"tp": 8, "pp": 8, "dp": 16, "ep": 1, "expert_tp": 1, "cp": 1}
+    assert layout_name(row) == "TP 8 · PP 8 · DP 16 (EP 1, experts whole: effective EP 8)"
+    assert layout_name(dict(row, ep=2, expert_tp=8)) == "TP 8 · PP 8 · DP 16 (EP 2)"
+    assert layout_name(dict(row, ep=1, expert_tp=8)) == "TP 8 · PP 8 · DP 16"

@@ -122,6 +122,22 @@ def setup(argv) -> tuple:
     return options, model, cluster, training
 
 
+def undominated(rows: list[dict]) -> list[dict]:
+    """The rows, fastest first, less those that another row with the same layout but another ZeRO
+    choice beats or ties on both step time and memory (ZeRO-2 where ZeRO-1 is as fast and smaller)."""
+    kept, best = [], {}
+    for row in rows:
+        key = tuple(row[name] for name in ("tp", "cp", "pp", "dp", "ep", "expert_tp", "micro_batch", "chunks",
+                                           "recompute")) + (tuple(row["stage_layers"]),)
+        rivals = best.setdefault(key, [])
+        if any(rival["step_time_s"] <= row["step_time_s"] and rival["memory_bytes"] <= row["memory_bytes"]
+               for rival in rivals):
+            continue
+        rivals.append(row)
+        kept.append(row)
+    return kept
+
+
 def layout_of(row) -> dict:
     return {"tp": row["tp"], "cp": row["cp"], "pp": row["pp"], "v": row["chunks"], "ep": row["ep"],
             "expert_tp": row["expert_tp"], "effective_ep": row["ep"] * row["tp"] // row["expert_tp"], "dp": row["dp"],
@@ -183,7 +199,7 @@ def run(argv=None, stdout=sys.stdout, stderr=sys.stderr) -> int:
                         f"recompute {frugal['recompute']}) needs {needed / GIB:.1f} GiB per GPU, "
                         f"{(needed - cluster.memory_bytes) / GIB:.1f} GiB more than the "
                         f"{cluster.memory_bytes / GIB:.1f} GiB a GPU has")
-    shown = rows[:options.top]
+    shown = undominated(rows)[:options.top]
     if options.json:
         json.dump({"model": model.name, "gpus": cluster.gpus, "gpu": options.gpu, "framework": options.framework,
                    "seq": model.seq, "global_batch": training.global_batch, "fitting": len(rows),
@@ -191,9 +207,10 @@ def run(argv=None, stdout=sys.stdout, stderr=sys.stderr) -> int:
         stdout.write("\n")
     else:
         stdout.write(f"{model.name} on {cluster.name} ({options.framework}), {model.seq:,} tokens x "
-                     f"{training.global_batch:,} sequences per step: {len(rows):,} layouts fit; the fastest "
-                     f"(seconds per step; 'exp': exposed communication; ZeRO *: reduced every micro-batch; "
-                     f"EP (xt): experts whole, their all-to-all over the TP ranks too):\n")
+                     f"{training.global_batch:,} sequences per step: {len(rows):,} layouts fit; the fastest, less "
+                     f"those another ZeRO stage beats on both time and memory (seconds per step; 'exp': exposed "
+                     f"communication; ZeRO *: reduced every micro-batch; EP (xt): experts whole, their all-to-all "
+                     f"over the TP ranks too):\n")
         stdout.write(table(shown, model) + "\n")
     return 0
 

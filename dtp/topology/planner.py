@@ -16,9 +16,12 @@ or, with `Training.pp_outermost`, Megatron-Core's default (TP, EP, DP, PP). ZeRO
 gradients over micro-batches either way (`reduce_every_micro_batch`); MoE experts are
 tensor-parallel or whole (`expert_tp`); each TP rank dispatches its own b·s/t tokens. Two
 step-time models: "fixed" (the exercise's: a constant share of the peak, everything exposed) and
-"roofline" (`dtp.topology.costs`), both stated in `step_time` and on the chapter's page;
-tests/topology/test_topology_planner.py checks the counts against torch models and the traffic against
-what gloo runs send.
+"roofline", the practised one (`dtp.topology.costs` and `dtp.topology.step`: its layers' work, the
+stages as practised, NCCL's latencies, the overlap chapter's exposure, with each stage's own memory
+from `dtp.topology.stage_memory`; `dtp.topology.search` searches its layouts), both stated in
+`step_time` and on the chapter's pages; tests/topology/test_topology_planner.py checks the counts
+against torch models and the traffic against what gloo runs send, test_topology_practised.py the
+practised model.
 """
 from __future__ import annotations
 
@@ -382,15 +385,9 @@ def plan(model: ModelShape, cluster: Cluster, training: Training) -> list[dict]:
 
 # --- the chapter's clusters and models ----------------------------------------------------------
 
-# The chapter's clusters (dtp.topology.clusters: datasheets and measured shares, each with its source)
-from dtp.topology.clusters import (  # noqa: E402
-    A100_80GB_HBM_BYTES_PER_S,
-    A100_BF16_DENSE_FLOPS,
-    A100_CLUSTER,
-    H100_CLUSTER,
-    H100_SXM_HBM_BYTES_PER_S,
-    NVLINK3_PER_DIRECTION_BYTES_PER_S,
-)
+# The chapter's clusters, re-exported for the notebook and the grader (dtp.topology.clusters: datasheets and
+# measured shares, each with its source)
+from dtp.topology.clusters import A100_CLUSTER, H100_CLUSTER, NVLINK3_PER_DIRECTION_BYTES_PER_S  # noqa: E402,F401
 
 # Llama 2 70B's depth and width (80 layers, h = 8192, 64 heads, 32000 tokens, 4096 positions)
 # with GPT-2 blocks; and the same backbone with 16 experts of width 2.25h per block, top-2:

@@ -25,7 +25,7 @@ import math
 from dtp.topology import frameworks, stages
 from dtp.topology.planner import evaluate
 from dtp.topology.shapes import LAYOUT_FIELDS, SEARCHED_FIELDS, PlannedLayout
-from dtp.topology.stage_memory import layers_per_stage, peak_stage_memory
+from dtp.topology.stage_memory import peak_stage_memory
 
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_CHUNKS = 8
@@ -95,7 +95,8 @@ def recomputations(training) -> tuple[str, ...]:
 
 
 def plan(model, cluster, training, progress=None, splits=SPLITS) -> dict:
-    """{"rows": every fitting layout's row, fastest first (each with its "recompute" and "stage_layers"),
+    """{"rows": every fitting layout's row, fastest first (each with its "recompute" and "stage_layers"; rows
+    differing only in a choice that changes nothing, such as the ZeRO stage where memory is ample, tie),
     "most_frugal": (bytes, layout) of the layout needing the least memory, fitting or not, "searched":
     how many pipelines were considered}. `progress(done, total)` is called as the search goes."""
     training = dataclasses.replace(training, cost_model="roofline")
@@ -128,19 +129,8 @@ def plan(model, cluster, training, progress=None, splits=SPLITS) -> dict:
     return {"rows": rows, "most_frugal": frugal, "searched": len(pipelines)}
 
 
-def rank_of(rows: list[dict], layout: PlannedLayout, training=None) -> int | None:
-    """1-based position of `layout` (its fields and stage layers; and its recomputation when
-    `training` is given) among `rows`, or None."""
-    for index, row in enumerate(rows, 1):
-        if all(row[field] == getattr(layout, field) for field in LAYOUT_FIELDS + ("cp",)) \
-                and row["micro_batch"] == layout.micro_batch and row["chunks"] == (layout.chunks or 1) \
-                and (not layout.stage_layers or tuple(row["stage_layers"]) == tuple(layout.stage_layers)) \
-                and (training is None or row["recompute"] == training.recompute):
-            return index
-    return None
-
-
 def stage_split_name(row) -> str:
+    """Layers per stage in a few characters: "8 x 12", or the ends and the largest ("5, 6 ..., 5")."""
     layers = row["stage_layers"]
     if len(set(layers)) == 1:
         return f"{len(layers)} x {layers[0]}"

@@ -17,7 +17,7 @@ import functools
 from dtp.overlap import model as overlap
 from dtp.topology import collectives, stages
 from dtp.topology.costs import micro_batch_compute, optimizer_seconds, stage_compute
-from dtp.topology.mesh import INTER_NODE, INTRA_NODE, factors
+from dtp.topology.mesh import factors
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb (gradient buckets reduced during backward)
 SCHEDULES = ("1f1b", "deepspeed", "dualpipe")

@@ -61,6 +61,11 @@ def test_a_table_and_json_for_the_409b_question():
         assert layout["effective_ep"] == layout["ep"] * layout["tp"] // layout["expert_tp"]
         assert layout["memory_gib"] <= 80 and 0 < layout["mfu"] < 1
         assert sum(layout["seconds"].values()) == pytest.approx(layout["step_time_s"], rel=1e-6)
+    shown = [tuple(layout[name] for name in ("tp", "cp", "pp", "dp", "ep", "expert_tp", "micro_batch", "v", "recompute"))
+             for layout in layouts]
+    for index, layout in enumerate(layouts):  # no ZeRO choice shown that another beats on both time and memory
+        assert not any(shown[other] == shown[index] and layouts[other]["step_time_s"] <= layout["step_time_s"]
+                       and layouts[other]["memory_gib"] <= layout["memory_gib"] for other in range(index))
     status, table, _ = run("--model", "moe-409b", "--gpus", "1024", "--top", "3")
     lines = table.splitlines()
     assert status == 0 and len(lines) == 5 and lines[1].split()[:4] == ["#", "TP", "CP", "PP"]

@@ -1,7 +1,6 @@
 """The planner's closed forms: parameter counts against torch models built on the meta device,
 memory against dtp.memory.calculator (the dense case) and by hand (MoE), the step time by hand, the
 enumeration against a brute force, and the ranked table's invariants."""
-import dataclasses
 import itertools
 import math
 

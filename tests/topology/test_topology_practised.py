@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from dtp.memory import formulas as memory
 from dtp.overlap import model as overlap
-from dtp.topology import collectives, costs as planner_costs, planner, stages
+from dtp.topology import collectives, costs as planner_costs, planner
 from dtp.topology.stage_memory import layers_per_stage
 from dtp.tp import tensor_parallel
 

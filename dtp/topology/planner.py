@@ -16,13 +16,15 @@ or, with `Training.pp_outermost`, Megatron-Core's default (TP, EP, DP, PP). ZeRO
 gradients over micro-batches either way (`reduce_every_micro_batch`); MoE experts are
 tensor-parallel or whole (`expert_tp`); each TP rank dispatches its own b·s/t tokens. Two
 step-time models: "fixed" (the exercise's: a constant share of the peak, everything exposed) and
-"roofline" (`dtp.topology.costs`), both stated in `step_time` and on the chapter's page;
-tests/topology/test_topology_planner.py checks the counts against torch models and the traffic against
-what gloo runs send.
+"roofline", the practised one (`dtp.topology.costs` and `dtp.topology.step`: its layers' work, the
+stages as practised, NCCL's latencies, the overlap chapter's exposure, with each stage's own memory
+from `dtp.topology.stage_memory`; `dtp.topology.search` searches its layouts), both stated in
+`step_time` and on the chapter's pages; tests/topology/test_topology_planner.py checks the counts
+against torch models and the traffic against what gloo runs send, test_topology_practised.py the
+practised model.
 """
 from __future__ import annotations
 
-import itertools
 import math
 
 from dtp.cp import context_parallel
@@ -31,6 +33,8 @@ from dtp.memory import calculator
 from dtp.memory import formulas as memory
 from dtp.pp import schedules as pipeline
 from dtp.topology import costs as planner_costs
+from dtp.topology import stage_memory
+from dtp.topology import step as planner_step
 from dtp.topology.mesh import INTER_NODE, INTRA_NODE, dimension_links
 from dtp.topology.shapes import (
     LAYOUT_FIELDS,
@@ -47,23 +51,16 @@ from dtp.zero import formulas as zero
 
 # --- memory -------------------------------------------------------------------------------------
 
-def mlp_activation_bytes_per_token(hidden: int, width: int) -> int:
-    """Bytes an MLP of `width` keeps per token in 16-bit activations (Korthikanti et al. 2022,
-    section 4.1): its input (2h), GeLU's input and output (2f each) and a 1-byte dropout mask on
-    its output (h): 3h + 4f, the 19h of their 34sbh when f = 4h."""
-    return 3 * hidden + 4 * width
+mlp_activation_bytes_per_token = planner_costs.mlp_activation_bytes_per_token
 
 
 def moe_extra_activation_bytes_per_layer(model: ModelShape, training: Training, tp: int) -> float:
     """What an MoE layer keeps beyond the dense layer dtp.memory.calculator counts: the experts' MLP
     activations for the cf·k routed copies of every token, in place of one dense MLP's, split t
     ways (sequence parallel). Nothing with full recomputation, which keeps only the layer's input."""
-    if not model.is_moe or training.recompute == "full":
+    if not model.is_moe:
         return 0.0
-    h = model.hidden
-    moe = model.capacity_factor * model.top_k * mlp_activation_bytes_per_token(h, model.expert_width)
-    dense = mlp_activation_bytes_per_token(h, model.mlp_ratio * h)
-    return (moe - dense) * model.seq * training.micro_batch / tp
+    return planner_costs.mlp_extra_bytes_per_token(model, training.recompute) * model.seq * training.micro_batch / tp
 
 
 def memory_per_gpu(model: ModelShape, training: Training, layout: PlannedLayout, stage: str) -> dict[str, float]:
@@ -109,15 +106,27 @@ def peak_memory_per_gpu(model: ModelShape, training: Training, layout: PlannedLa
 
 # --- traffic ------------------------------------------------------------------------------------
 
-def dp_bytes_per_gpu(n_params: float, replicas: int, layout: PlannedLayout, bytes_per_value: int) -> float:
+def dp_bytes_per_gpu(n_params: float, replicas: int, layout: PlannedLayout, bytes_per_value: int,
+                     gradient_bytes: int = 0) -> float:
     """Bytes a GPU sends per step for the data-parallel traffic of its `n_params` parameters over
     `replicas` ranks: dtp.zero.formulas's accumulation formulas. ZeRO-2/3 reducing every micro-batch
     reduce-scatter m times; ZeRO-3 gathers the weights twice per micro-batch whichever way it
-    accumulates; stages 0 and 1 reduce once per step."""
+    accumulates; stages 0 and 1 reduce once per step. Gradients travel in `gradient_bytes` per
+    value (0: as the weights)."""
     sent = zero.accumulation_bytes_sent_per_gpu(n_params, replicas, layout.micro_batches, layout.zero_stage,
                                                 bool(layout.reduce_every_micro_batch), bytes_per_value,
-                                                bytes_per_value)
+                                                gradient_bytes or bytes_per_value)
     return sent["gradients"] + sent["weights"]
+
+
+def dp_parameters(model: ModelShape, training: Training, layout: PlannedLayout) -> dict[str, float]:
+    """{"non_expert", "experts"} parameters of one pipeline stage, before the TP split: 1/p of all
+    in the exercise's model; in the practised one, the stage holding the most (its layers, and the
+    embedding or the output layer at the ends: dtp.topology.stage_memory)."""
+    counts = parameter_counts(model)
+    if training.cost_model != "roofline":
+        return {"non_expert": counts["non_expert"] / layout.pp, "experts": counts["experts"] / layout.pp}
+    return stage_memory.largest_stage_parameters(model, stage_memory.layers_per_stage(model, training, layout))
 
 
 
@@ -153,7 +162,9 @@ def traffic_per_gpu(model: ModelShape, cluster: Cluster, training: Training, lay
     training = layout.training(training)
     t, p, e, m = layout.tp, layout.pp, layout.ep, layout.micro_batches
     b, s, h, w = training.micro_batch, model.seq, model.hidden, training.bytes_per_value
-    stage_layers = planner_costs.busiest_stage_layers(model, training, p)
+    # the stage of the most layers: the practised model's split (dtp.topology.stage_memory), L/p in the exercise's
+    stage_layers = (max(stage_memory.layers_per_stage(model, training, layout)) if training.cost_model == "roofline"
+                    else math.ceil(model.layers / p))
     forwards = 2 if training.recompute == "full" else 1  # full recomputation runs each forward twice
     passes = ("forward",) * forwards + ("backward",)
     counts = parameter_counts(model)
@@ -165,7 +176,8 @@ def traffic_per_gpu(model: ModelShape, cluster: Cluster, training: Training, lay
         # the stage's t GPUs sends 1/t of it (sequence parallel).
         # Interleaving (v chunks per stage) sends each micro-batch across v times as many boundaries.
         "pp": pipeline.boundary_bytes_per_step(m, b, s // layout.cp, h, w) * min(2, p - 1) / 2 / t * training.chunks,
-        "dp": dp_bytes_per_gpu(counts["non_expert"] / (t * p), layout.dp * layout.cp, layout, w),
+        "dp": dp_bytes_per_gpu(dp_parameters(model, training, layout)["non_expert"] / t, layout.dp * layout.cp,
+                               layout, w, training.gradient_reduce_bytes),
     }
     if layout.cp > 1:
         traffic["cp"] = stage_layers * m * cp_bytes_per_layer(model, training, layout)
@@ -196,7 +208,8 @@ def traffic_per_gpu(model: ModelShape, cluster: Cluster, training: Training, lay
         else:
             expert_collectives = 0.0  # whole experts: the tokens stay in their sequence-parallel shards
         traffic["tp"] += stage_layers * m * (expert_collectives - mlp_share)
-        traffic["expert_dp"] = dp_bytes_per_gpu(counts["experts"] / (t * p * e), layout.dp // e, layout, w)
+        traffic["expert_dp"] = dp_bytes_per_gpu(dp_parameters(model, training, layout)["experts"] / (t * e),
+                                                layout.dp // e, layout, w, training.gradient_reduce_bytes)
     links = dict(dimension_links(layout.sizes(model), layout.order(model, training.pp_outermost),
                                  cluster.gpus_per_node))
     if model.is_moe and layout.expert_tp == 1 and t > 1:
@@ -245,10 +258,17 @@ def step_time(model: ModelShape, cluster: Cluster, training: Training, layout: P
     if "ep_intra" in seconds:  # node-limited dispatch: the NVLink forwarding runs while the IB copies arrive
         seconds["ep"] = max(seconds["ep"], seconds.pop("ep_intra"))
     if training.cost_model == "roofline":
-        data_parallel = {name: (dp_sent_per_gpu(model, training, layout, name),
-                                rate(traffic[name]["link"]))
+        split = stage_memory.layers_per_stage(model, training, layout)
+        latency = planner_step.latency_seconds(model, cluster, training, layout, max(split))
+        for name in ("tp", "pp", "cp", "ep"):
+            if name in seconds:
+                seconds[name] += latency.get(name, 0.0)
+        data_parallel = {name: (dp_sent_per_gpu(model, training, layout, name), rate(traffic[name]["link"]))
                          for name in ("dp", "expert_dp") if name in traffic}
-        parts = planner_costs.roofline_step_time(model, cluster, training, layout, seconds, data_parallel)
+        parts = planner_step.roofline_step_time(model, cluster, training, layout, seconds, data_parallel, split,
+                                                planner_costs.updated_parameters(model, layout,
+                                                                                 dp_parameters(model, training, layout)),
+                                                latency)
         parts["total"] = sum(parts.values())
         return parts
     counts = parameter_counts(model)
@@ -271,12 +291,13 @@ def step_time(model: ModelShape, cluster: Cluster, training: Training, layout: P
 
 def dp_sent_per_gpu(model: ModelShape, training: Training, layout: PlannedLayout, name: str) -> dict[str, float]:
     """{"gradients", "weights"} bytes a GPU sends per step in its "dp" or "expert_dp" group."""
-    counts, shards = parameter_counts(model), layout.tp * layout.pp
-    n, replicas = ((counts["non_expert"] / shards, layout.dp * layout.cp) if name == "dp"
-                   else (counts["experts"] / (shards * layout.ep), layout.dp // layout.ep))
+    stage = dp_parameters(model, training, layout)
+    n, replicas = ((stage["non_expert"] / layout.tp, layout.dp * layout.cp) if name == "dp"
+                   else (stage["experts"] / (layout.tp * layout.ep), layout.dp // layout.ep))
     w = training.bytes_per_value
     return zero.accumulation_bytes_sent_per_gpu(n, replicas, layout.micro_batches, layout.zero_stage,
-                                                bool(layout.reduce_every_micro_batch), w, w)
+                                                bool(layout.reduce_every_micro_batch), w,
+                                                training.gradient_reduce_bytes or w)
 
 
 def model_flops_utilization(model: ModelShape, cluster: Cluster, training: Training, seconds: float) -> float:
@@ -293,7 +314,7 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(model: ModelShape, cluster: Cluster, training: Training) -> list[PlannedLayout]:
-    """Every layout the planner considers, fitting or not:
+    """Every layout the exercise's planner considers, fitting or not:
     - tp divides the GPUs of a node, the heads and the sequence (TP stays inside a node;
       sequence parallelism splits the sequence t ways);
     - pp divides the layers (equal stages), and dp = GPUs / (tp·pp) is a whole number;
@@ -304,16 +325,9 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, training: Training) -
     - MoE: experts tensor-parallel like the attention (expert_tp = t), or whole with their
       all-to-all group folded over TP and EP (expert_tp = 1, when t·e divides the experts);
     - micro-batches m = global batch / (dp · micro-batch size), a whole number, at least pp.
-    The roofline model searches further (none of it in the exercise's "fixed" model):
-    - the micro-batch size b over `training.micro_batch_choices` and the interleaved schedule's v
-      over `training.chunk_choices` (v > 1 only with pp > 1 and m a multiple of pp, as Megatron
-      requires);
-    - context parallelism c up to `training.max_context_parallel` for a dense model: c divides the
-      GPUs left by tp·pp and the sequence into 2c chunks (zigzag), dp = GPUs / (tp·cp·pp)."""
-    roofline = training.cost_model == "roofline"
-    sizes = (training.micro_batch_choices or (training.micro_batch,)) if roofline else (training.micro_batch,)
-    chunk_choices = (training.chunk_choices or (training.chunks,)) if roofline else (training.chunks,)
-    searched = roofline and (training.micro_batch_choices or training.chunk_choices)
+    The micro-batch size and the interleaving's v are the training's. The practised model
+    searches far more (dtp.topology.search: uneven stages, CP, b, v, recomputation, and only
+    what the framework runs)."""
     layouts = []
     for tp in divisors(cluster.gpus_per_node):
         if model.heads % tp or model.seq % tp:
@@ -321,32 +335,33 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, training: Training) -
         for pp in divisors(model.layers):
             if cluster.gpus % (tp * pp):
                 continue
-            for cp in divisors(min(cluster.gpus // (tp * pp), training.max_context_parallel if roofline else 1)):
-                if (cluster.gpus // (tp * pp)) % cp or (cp > 1 and (model.is_moe or model.seq % (2 * cp * tp))):
-                    continue
-                dp = cluster.gpus // (tp * cp * pp)
-                for b, v in itertools.product(sizes, chunk_choices):
-                    if training.global_batch % (dp * b):
-                        continue
-                    micro_batches = training.global_batch // (dp * b)
-                    if micro_batches < pp or (searched and v > 1 and (pp == 1 or micro_batches % pp)):
-                        continue
-                    extra = dict(cp=cp, micro_batch=b, chunks=v) if searched or cp > 1 else {}
-                    for ep in (divisors(math.gcd(dp, model.experts)) if model.is_moe else [1]):
-                        expert_tps = [tp] + ([1] if model.is_moe and tp > 1 and model.experts % (tp * ep) == 0 else [])
-                        for expert_tp in expert_tps:
-                            for stage in zero.STAGES:
-                                for every in ((0, 1) if stage >= 2 else (0,)):
-                                    layouts.append(PlannedLayout(tp, pp, dp, ep, stage, micro_batches, every, expert_tp,
-                                                                 **extra))
+            dp = cluster.gpus // (tp * pp)
+            if training.global_batch % (dp * training.micro_batch):
+                continue
+            micro_batches = training.global_batch // (dp * training.micro_batch)
+            if micro_batches < pp:
+                continue
+            for ep in (divisors(math.gcd(dp, model.experts)) if model.is_moe else [1]):
+                expert_tps = [tp] + ([1] if model.is_moe and tp > 1 and model.experts % (tp * ep) == 0 else [])
+                for expert_tp in expert_tps:
+                    for stage in zero.STAGES:
+                        for every in ((0, 1) if stage >= 2 else (0,)):
+                            layouts.append(PlannedLayout(tp, pp, dp, ep, stage, micro_batches, every, expert_tp))
     return layouts
 
 
 def evaluate(model: ModelShape, cluster: Cluster, training: Training, layout: PlannedLayout) -> dict:
     """One row of the planner's table for `layout`, whether it fits or not (with the layout's
-    searched micro-batch size and chunks, where it has them)."""
+    searched micro-batch size and chunks, where it has them). Memory: the memory chapter's
+    calculator in the exercise's model; each stage's own in the practised one (dtp.topology.stage_memory)."""
     training = layout.training(training)
-    stage, breakdown = peak_memory_per_gpu(model, training, layout)
+    if training.cost_model == "roofline":
+        split = stage_memory.layers_per_stage(model, training, layout)
+        index, breakdown = stage_memory.peak_stage_memory(model, training, layout, split)
+        stage = "first" if index == 0 else "last" if index == layout.pp - 1 else f"stage {index}"
+    else:
+        split = ()
+        stage, breakdown = peak_memory_per_gpu(model, training, layout)
     traffic = traffic_per_gpu(model, cluster, training, layout)
     times = step_time(model, cluster, training, layout, traffic)
     links = bytes_by_link(traffic)
@@ -357,11 +372,12 @@ def evaluate(model: ModelShape, cluster: Cluster, training: Training, layout: Pl
             "bubble": pipeline.bubble_fraction(layout.pp, layout.micro_batches, training.chunks), "step_time_s": times["total"],
             "mfu": model_flops_utilization(model, cluster, training, times["total"]), "times": times,
             "traffic": traffic, "cp": layout.cp, "micro_batch": training.micro_batch, "chunks": training.chunks,
-            "pp_outermost": training.pp_outermost}
+            "pp_outermost": training.pp_outermost, "stage_layers": split}
 
 
 def plan(model: ModelShape, cluster: Cluster, training: Training) -> list[dict]:
-    """The layouts of `candidate_layouts` that fit in a GPU's memory, fastest estimated step first."""
+    """The layouts of `candidate_layouts` that fit in a GPU's memory, fastest estimated step first
+    (with the training's cost model; the practised planner's wider search is dtp.topology.search.plan)."""
     rows = [evaluate(model, cluster, training, layout) for layout in candidate_layouts(model, cluster, training)]
     return sorted((row for row in rows if row["fits"]),
                   key=lambda row: (row["step_time_s"], *[row[field] for field in LAYOUT_FIELDS + SEARCHED_FIELDS]))
@@ -369,45 +385,9 @@ def plan(model: ModelShape, cluster: Cluster, training: Training) -> list[dict]:
 
 # --- the chapter's clusters and models ----------------------------------------------------------
 
-# NVIDIA A100 SXM datasheet: NVLink 3 "600GB/s" is both directions over 12 links (25 GB/s each
-# way per link), so 300 GB/s leave a GPU; 312 TFLOP/s of dense bf16 (624 with 2:4 sparsity).
-# DGX A100: one InfiniBand HDR port per GPU, 200 Gb/s per direction.
-NVLINK3_PER_DIRECTION_BYTES_PER_S = 600e9 / 2
-INFINIBAND_HDR_GBIT_PER_S = 200
-A100_BF16_DENSE_FLOPS = 312e12
-A100_80GB_HBM_BYTES_PER_S = 2039e9  # A100 80GB SXM datasheet: 2,039 GB/s of HBM2e
-H100_SXM_HBM_BYTES_PER_S = 3.35e12  # H100 SXM datasheet: 3.35 TB/s of HBM3
-
-# Measured shares of those rates, for the roofline model (each on the chapter's page with its source):
-# - cuBLAS bf16 matmul: the best of a scan over large shapes (Bekman's "maximum achievable matmul
-#   FLOPS", ml-engineering): 267.9 of 312 TFLOP/s on an A100 SXM, 792.1 of 989 on an H100 SXM;
-# - NCCL over NVLink: "with the protocol overhead (~20%) NCCL can get an effective NVLink
-#   bandwidth of 370GB/s" of NVLink 4's 450 (S. Jeaugey, NVIDIA, nccl-tests issue 212);
-# - NCCL over InfiniBand: "24GB/s is the peak performance per 200G NIC" (nccl-tests issue 119),
-#   "CX-7 NICs at NDR rate (400Gbps) should achieve up to 48-49GB/s per NIC" (nccl-tests issue 267).
-# - FlashAttention-2: "50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023), "only 35%
-#   utilization on the H100 GPU" (Shah et al. 2024, FlashAttention-3's abstract).
-A100_MAMF_FLOPS, H100_MAMF_FLOPS = 267.9e12, 792.1e12
-A100_FLASH_ATTENTION_SHARE, H100_FLASH_ATTENTION_SHARE = 0.50, 0.35
-NVLINK_NCCL_EFFICIENCY = 370 / 450
-HDR_NCCL_EFFICIENCY, NDR_NCCL_EFFICIENCY = 24 / 25, 48 / 50
-
-A100_CLUSTER = Cluster(nodes=128, gpus_per_node=8, memory_bytes=memory.GPU_MEMORY_MIB["A100 80GB"] * 2**20,
-                       intra_node_bytes_per_s=NVLINK3_PER_DIRECTION_BYTES_PER_S,
-                       inter_node_bytes_per_s=tensor_parallel.gigabits_to_bytes_per_s(INFINIBAND_HDR_GBIT_PER_S),
-                       peak_flops=A100_BF16_DENSE_FLOPS, name="128 nodes of 8 A100 80GB",
-                       hbm_bytes_per_s=A100_80GB_HBM_BYTES_PER_S, gemm_ceiling=A100_MAMF_FLOPS / A100_BF16_DENSE_FLOPS,
-                       attention_ceiling=A100_FLASH_ATTENTION_SHARE,
-                       intra_node_efficiency=NVLINK_NCCL_EFFICIENCY, inter_node_efficiency=HDR_NCCL_EFFICIENCY)
-H100_CLUSTER = Cluster(nodes=128, gpus_per_node=8, memory_bytes=memory.GPU_MEMORY_MIB["H100 80GB"] * 2**20,
-                       intra_node_bytes_per_s=tensor_parallel.NVLINK4_PER_DIRECTION_BYTES_PER_S,
-                       inter_node_bytes_per_s=tensor_parallel.gigabits_to_bytes_per_s(
-                           tensor_parallel.INFINIBAND_NDR_GBIT_PER_S),
-                       peak_flops=tensor_parallel.H100_BF16_DENSE_FLOPS, name="128 nodes of 8 H100 80GB",
-                       hbm_bytes_per_s=H100_SXM_HBM_BYTES_PER_S,
-                       gemm_ceiling=H100_MAMF_FLOPS / tensor_parallel.H100_BF16_DENSE_FLOPS,
-                       attention_ceiling=H100_FLASH_ATTENTION_SHARE,
-                       intra_node_efficiency=NVLINK_NCCL_EFFICIENCY, inter_node_efficiency=NDR_NCCL_EFFICIENCY)
+# The chapter's clusters, re-exported for the notebook and the grader (dtp.topology.clusters: datasheets and
+# measured shares, each with its source)
+from dtp.topology.clusters import A100_CLUSTER, H100_CLUSTER, NVLINK3_PER_DIRECTION_BYTES_PER_S  # noqa: E402,F401
 
 # Llama 2 70B's depth and width (80 layers, h = 8192, 64 heads, 32000 tokens, 4096 positions)
 # with GPT-2 blocks; and the same backbone with 16 experts of width 2.25h per block, top-2:

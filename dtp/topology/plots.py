@@ -164,3 +164,32 @@ def parallelism_map_figure(dp: int = 2, pp: int = 2, tp: int = 2):
     figure.tight_layout()
     plt.close(figure)
     return figure
+
+
+def ratio_figure(results: list[dict], trend: dict, tolerance: float = 0.10):
+    """Predicted over published speed against the GPUs of each run (log scale): the fitted table's
+    rows hollow, held-out rows filled, one marker per source; the ±tolerance band and the held-out
+    rows' least-squares line against log10(GPUs) (`trend`: its slope and intercept)."""
+    figure, axis = plt.subplots(figsize=(8.5, 5.6))
+    markers = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">"]
+    groups = list(dict.fromkeys((result["run"].source, result["run"].fitted) for result in results))
+    for index, (source, fitted) in enumerate(groups):
+        mine = [result for result in results if (result["run"].source, result["run"].fitted) == (source, fitted)]
+        colour = f"C{index % 10}"
+        axis.scatter([result["run"].cluster.gpus for result in mine], [result["ratio"] for result in mine],
+                     marker=markers[index % len(markers)], s=36, zorder=3, label=source + (" (fitted)" if fitted else ""),
+                     facecolors="none" if fitted else colour, edgecolors=colour)
+    gpus = np.array([result["run"].cluster.gpus for result in results])
+    span = np.logspace(np.log10(gpus.min()) - 0.1, np.log10(gpus.max()) + 0.1, 50)
+    axis.fill_between(span, 1 - tolerance, 1 + tolerance, color="#e4e4e4", lw=0, zorder=0, label=f"±{tolerance:.0%}")
+    axis.plot(span, trend["intercept"] + trend["slope"] * np.log10(span), color="black", lw=1,
+              zorder=2, label=f"held-out trend: {trend['slope']:+.3f} per tenfold GPUs")
+    axis.axhline(1.0, color="black", lw=0.5, ls=":")
+    axis.set_xscale("log")
+    axis.set_xlabel("GPUs")
+    axis.set_ylabel("predicted / published speed")
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.13), frameon=False)
+    figure.tight_layout()
+    plt.close(figure)
+    return figure

@@ -79,7 +79,9 @@ PAGE_RESULTS = {
     # not 4); a causal zigzag ring step hides its transfer from twice the full block's 1,237 tokens
     "context_parallel": (["49,152", "144", "16,384", "2,474"], False),
     "topology": (["8192", "1024"], True),  # the notes' layout multiplied out, and with EP inside DP
-    "planner": (["408.6", "3.50"], True),  # the 409B model's parameters (B); DeepSeek-V3's IB copies M(N-1)/N
+    "planner": (["408.6"], True),  # the 409B model's parameters (B)
+    "planner_validation": (["3.50", "40.4%"], True),  # DeepSeek-V3's IB copies M(N-1)/N; Llama 3's 400/989.4
+    "planner_cli": (["python -m dtp.topology.plan --model moe-409b"], False),  # the command, run at build time
 }
 
 

@@ -146,10 +146,16 @@ def ddp_exposed(allreduce_time: float, backward_time: float, buckets: int, alpha
     always, more if the all-reduces together outlast backward after the first bucket. The alpha
     per bucket makes the best b finite (`ddp_best_buckets`). A `launch` per bucket lengthens
     backward by b·launch: max(p + b·launch, b·p - B(b-1)/b + launch), p = alpha + C/b. With
-    contention, simulated."""
-    if contention:
-        return ddp_exposed_serial(allreduce_time, backward_time, buckets, alpha, contention, launch)
+    contention e, backward runs at 1/(1+e) while a bucket is in flight: when each all-reduce ends
+    before the next bucket is ready (p < (1+e)·B/b) every one of the first b - 1 costs backward
+    p·e/(1+e) and the last sticks out whole; otherwise the all-reduces run back to back from the
+    first bucket on. Both at once: max(p + (b-1)·p·e/(1+e), b·p - B(b-1)/b) (with a launch cost too,
+    simulated)."""
     b, piece = buckets, alpha + allreduce_time / buckets
+    if contention and launch:
+        return ddp_exposed_serial(allreduce_time, backward_time, buckets, alpha, contention, launch)
+    if contention:
+        return max(piece + (b - 1) * piece * contention / (1 + contention), b * piece - backward_time * (b - 1) / b)
     return max(piece + b * launch, b * piece - backward_time * (b - 1) / b + launch)
 
 

@@ -13,25 +13,26 @@ an all-reduce over k nodes, which is why Megatron-Core's gradient buckets grow w
 
 Contention, ε: a communication kernel runs on SMs the computation then lacks (DeepSeek-V3,
 section 3.2.2: 20 of the H800's 132 SMs run its all-to-alls), so computation that overlaps
-communication takes f·(1 + ε) for as long as they overlap: ε = 20/112 with those figures.
+communication runs at 1/(1 + ε) of its speed: ε = 20/112 with those figures.
 `Cluster.contention` carries ε; `Cluster.alpha_s` and `Cluster.collective_base_s` the latencies.
 
-The overlap chapter's model (dtp.overlap.model) is gaining the same two terms (time = α +
-bytes/bandwidth per collective; overlapped compute f·(1 + ε)); `collective_latency_s` and
-`contended_seconds` are where this planner's copies of them sit until the two meet.
+Both are the overlap chapter's model (dtp.overlap.model): a collective costs α + bytes/bandwidth
+(`collective_time`), and its functions take `alpha` and `contention` (ε) as arguments. This module
+only says what α is for one collective on a cluster (NCCL's tuner), and the planner's step time
+(dtp.topology.step) passes it and ε to those functions.
 """
 from __future__ import annotations
 
 import math
 
+from dtp.overlap import model as overlap
 from dtp.topology.mesh import INTER_NODE, INTRA_NODE
 
 # NCCL's tuning constants (src/graph/tuning.cc, ncclTunerConstantsDefaults), microseconds, Ring, Simple protocol
 NCCL_BASE_LATENCY_S = 8.4e-6
 NCCL_STEP_LATENCY_S = {INTRA_NODE: 3.4e-6, INTER_NODE: 14.0e-6}  # hwLatencies NVLINK and NET
 # DeepSeek-V3 (section 3.2.2): 20 of the H800's 132 SMs run the communication while the rest compute
-COMMUNICATION_SMS, GPU_SMS = 20, 132
-DEFAULT_CONTENTION = COMMUNICATION_SMS / (GPU_SMS - COMMUNICATION_SMS)
+DEFAULT_CONTENTION = overlap.GPU_CONTENTION
 NCCL_ALPHA_S = tuple(NCCL_STEP_LATENCY_S.items())
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send", "all_to_all")
@@ -66,9 +67,3 @@ def nodes_of_group(size: int, stride: int, gpus_per_node: int) -> int:
     if stride >= gpus_per_node:
         return size
     return max(1, math.ceil(span / gpus_per_node))
-
-
-def contended_seconds(exposed: float, total: float, contention: float) -> float:
-    """Exposed seconds of a communication of `total` seconds of which `exposed` stick out of the
-    computation: the hidden rest slows that computation by ε for as long as it runs beside it."""
-    return exposed + contention * max(0.0, total - exposed)

@@ -47,7 +47,7 @@ def pp_exposed_seconds(stages: int, micro_batches: int, message_s: float, forwar
 
 
 def dp_exposed_seconds(layout, training, sent: dict[str, float], bandwidth: float, compute: dict,
-                       latency: dict[str, float] | None = None) -> float:
+                       latency: dict[str, float] | None = None, contention: float = 0.0) -> float:
     """Exposed data-parallel time per step for `sent` = {"gradients": bytes, "weights": bytes}
     (dtp.zero.formulas.accumulation_bytes_sent_per_gpu) on a link of `bandwidth`, from dtp.overlap.model:
     - gradients reduced in buckets during the backward they come from (dtp.overlap.model.ddp_exposed,
@@ -62,31 +62,36 @@ def dp_exposed_seconds(layout, training, sent: dict[str, float], bandwidth: floa
       of it exposed (Megatron-LM 2021's own DistributedDataParallel all-reduced its gradient
       buffer in one call after backward; so does DeepSpeed's PipelineEngine).
     `latency`: {"gradients": s, "weights": s}, one collective's start-up (collectives.collective_latency_s),
-    paid per bucket."""
+    paid per bucket: the overlap model's alpha; `contention`: its epsilon, computation slowed while
+    a collective it hides runs beside it."""
     latency = latency or {"gradients": 0.0, "weights": 0.0}
     m = layout.micro_batches
     reductions = m if layout.zero_stage >= 2 and layout.reduce_every_micro_batch else 1
     exposed = 0.0
     if sent["gradients"] and not training.dp_overlap:  # reduced after backward (Megatron-LM 2021's DDP)
-        exposed += sent["gradients"] / bandwidth + reductions * latency["gradients"]
+        exposed += reductions * overlap.collective_time(sent["gradients"] / reductions, bandwidth, latency["gradients"])
     elif sent["gradients"]:
         per_reduction = sent["gradients"] / reductions
         buckets = max(1, round(per_reduction / DDP_BUCKET_BYTES))
-        seconds = per_reduction / bandwidth + buckets * latency["gradients"]
-        exposed += reductions * overlap.ddp_exposed(seconds, compute["backward"], buckets)
+        exposed += reductions * overlap.ddp_exposed(per_reduction / bandwidth, compute["backward"], buckets,
+                                                    alpha=latency["gradients"], contention=contention)
     buckets = max(1, round(sent["weights"] / DDP_BUCKET_BYTES)) if training.dp_overlap else 1
-    weight_s = sent["weights"] / bandwidth + (buckets * latency["weights"] if sent["weights"] else 0.0)
+    weight_s = buckets * overlap.collective_time(sent["weights"] / buckets, bandwidth, latency["weights"]) \
+        if sent["weights"] else 0.0
     if layout.zero_stage == 3:
         units = compute["units"]
-        gather = sent["weights"] / bandwidth / (2 * m * units) + latency["weights"]
-        exposed += m * (overlap.fsdp_forward_exposed(units, gather, compute["layer_forward"])
-                        + overlap.fsdp_backward_exposed(units, gather, 0.0, compute["layer_backward"]))
+        gather = sent["weights"] / bandwidth / (2 * m * units)
+        exposed += m * (overlap.fsdp_forward_exposed(units, gather, compute["layer_forward"], alpha=latency["weights"],
+                                                     contention=contention)
+                        + overlap.fsdp_backward_exposed(units, gather, 0.0, compute["layer_backward"],
+                                                        alpha=latency["weights"], contention=contention))
     elif weight_s:
-        exposed += overlap.exposed(weight_s, compute["forward"]) if training.overlap_param_gather else weight_s
+        exposed += overlap.exposed(weight_s, compute["forward"], contention) if training.overlap_param_gather \
+            else weight_s
     return exposed
 
 
-def tp_exposed_seconds(tp_s: float, layout, training, compute: dict) -> float:
+def tp_exposed_seconds(tp_s: float, layout, training, compute: dict, contention: float = 0.0) -> float:
     """Exposed TP time per step (dtp.overlap.model.tp_layer_exposed): per layer and micro-batch, forward's
     two all-reduce-sized collectives are on the critical path; backward's two each run under
     half the layer's weight-gradient GEMMs (with full recomputation the repeated forward's two
@@ -96,13 +101,13 @@ def tp_exposed_seconds(tp_s: float, layout, training, compute: dict) -> float:
     layers = compute["units"]
     passes = 3 if training.recompute == "full" else 2
     per_collective = tp_s / (layout.micro_batches * layers * 2 * passes)
-    per_layer = overlap.tp_layer_exposed(per_collective, compute["layer_forward_gemm"] / 2)
+    per_layer = overlap.tp_layer_exposed(per_collective, compute["layer_forward_gemm"] / 2, contention=contention)
     if training.recompute == "full":
         per_layer += 2 * per_collective
     return layout.micro_batches * layers * per_layer
 
 
-def ep_exposed_seconds(ep_s: float, layout, training, compute: dict) -> float:
+def ep_exposed_seconds(ep_s: float, layout, training, compute: dict, contention: float = 0.0) -> float:
     """Exposed EP time per step (dtp.overlap.model.ep_exposed): serial, all of it; with
     `training.ep_overlap` (two micro-batches interleaved, as DeepSeek-V3's DualPipe does), each
     micro-batch's all-to-alls under the other's compute."""
@@ -112,10 +117,11 @@ def ep_exposed_seconds(ep_s: float, layout, training, compute: dict) -> float:
         return ep_s
     pairs = layout.micro_batches / 2
     per_pair = ep_s / pairs / 2
-    return pairs * overlap.ep_exposed(per_pair, compute["forward"] + compute["backward"], overlapped=True)
+    return pairs * overlap.ep_exposed(per_pair, compute["forward"] + compute["backward"], overlapped=True,
+                                      contention=contention)
 
 
-def cp_exposed_seconds(cp_s: float, layout, training, compute: dict) -> float:
+def cp_exposed_seconds(cp_s: float, layout, training, compute: dict, contention: float = 0.0) -> float:
     """Exposed context-parallel time per step: all of it with `cp_method="allgather"` (K/V
     gathered before attention starts, dK/dV reduced after it ends). Ring attention: per layer and
     micro-batch, forward takes c - 1 ring steps, each passing one K/V block while the GPU computes
@@ -133,8 +139,8 @@ def cp_exposed_seconds(cp_s: float, layout, training, compute: dict) -> float:
     shares = {"forward": forwards * (c - 1), "backward": (c - 1) + c}
     unit = per_layer / (shares["forward"] + shares["backward"])
     attention = compute["layer_attention"]
-    exposed = forwards * (c - 1) * overlap.exposed(unit, attention / c)
-    exposed += c * overlap.exposed(unit * (2 * c - 1) / c, 2 * attention / c)  # c steps carry 2c - 1 blocks
+    exposed = forwards * (c - 1) * overlap.exposed(unit, attention / c, contention)
+    exposed += c * overlap.exposed(unit * (2 * c - 1) / c, 2 * attention / c, contention)  # c steps: 2c - 1 blocks
     return layout.micro_batches * compute["units"] * exposed
 
 
@@ -210,8 +216,9 @@ def roofline_step_time(model, cluster, training, layout, seconds: dict[str, floa
       plus (p/2 - 1) micro-batches' exposed TP, EP and CP time, each micro-batch's two PP messages
       under a forward-and-backward pair;
     - "dp" (and "expert_dp"): exposed DP traffic; "optimizer": the memory-bound Adam pass.
-    With `cluster.contention` ε, every hidden second of communication slows the computation it
-    hides under by ε (collectives.contended_seconds)."""
+    With `cluster.contention` ε, computation that runs beside a collective it hides runs at
+    1/(1 + ε) of its speed (dtp.overlap.model's contention, passed to each of its functions above;
+    the 1F1B simulator's messages are charged none: point-to-point sends take few SMs)."""
     latency = latency or {}
     if training.pipeline_schedule not in SCHEDULES:
         raise ValueError(f"pipeline_schedule must be one of {SCHEDULES}, got {training.pipeline_schedule!r}")
@@ -221,11 +228,10 @@ def roofline_step_time(model, cluster, training, layout, seconds: dict[str, floa
     busiest = stage_compute(compute, units, False)
     compute.update(busiest, units=units)
     eps = cluster.contention
-    exposed = {"tp": tp_exposed_seconds(seconds.get("tp", 0.0), layout, training, compute),
-               "ep": ep_exposed_seconds(seconds.get("ep", 0.0), layout, training, compute),
-               "cp": cp_exposed_seconds(seconds.get("cp", 0.0), layout, training, compute)}
-    per_layer = {name: collectives.contended_seconds(value, seconds.get(name, 0.0), eps) / (m * units)
-                 for name, value in exposed.items()}
+    exposed = {"tp": tp_exposed_seconds(seconds.get("tp", 0.0), layout, training, compute, eps),
+               "ep": ep_exposed_seconds(seconds.get("ep", 0.0), layout, training, compute, eps),
+               "cp": cp_exposed_seconds(seconds.get("cp", 0.0), layout, training, compute, eps)}
+    per_layer = {name: value / (m * units) for name, value in exposed.items()}
     layer_comm = sum(per_layer.values())
     # one message: a micro-batch's activation (or gradient) across one boundary between chunks
     message = seconds.get("pp", 0.0) / (2 * m * v) if p > 1 else 0.0
@@ -252,19 +258,15 @@ def roofline_step_time(model, cluster, training, layout, seconds: dict[str, floa
         parts["pp"] = m * waits
     elif p > 1 and training.pp_overlap:  # each chunk's sends and receives under the next chunk's compute
         chunk = busiest["forward"] / v
-        parts["pp"] = collectives.contended_seconds(2 * m * v * overlap.exposed(message, chunk),
-                                                    seconds.get("pp", 0.0), eps)
+        parts["pp"] = 2 * m * v * overlap.exposed(message, chunk, eps)
     elif p > 1:
-        parts["pp"] = collectives.contended_seconds(
-            pp_exposed_seconds(p, m, message, busiest["forward"] / v, v), seconds.get("pp", 0.0), eps)
+        parts["pp"] = pp_exposed_seconds(p, m, message, busiest["forward"] / v, v)
     else:
         parts["pp"] = 0.0
     dp_latency = {"gradients": latency.get("dp_gradients", 0.0), "weights": latency.get("dp_weights", 0.0)}
     ddp_training = training if not deepspeed else dataclasses.replace(training, dp_overlap=False)
     for name, (sent, bandwidth) in data_parallel.items():
-        hidden_under = dp_exposed_seconds(layout, ddp_training, sent, bandwidth, compute, dp_latency)
-        total = (sent["gradients"] + sent["weights"]) / bandwidth
-        parts[name] = collectives.contended_seconds(hidden_under, total, eps)
+        parts[name] = dp_exposed_seconds(layout, ddp_training, sent, bandwidth, compute, dp_latency, eps)
     if training.pipeline_schedule == "dualpipe" and p > 1:
         if p % 2 or m % 2 or v > 1:
             raise ValueError(f"DualPipe needs even stages and micro-batches and no interleaving (p={p}, m={m}, v={v})")

@@ -166,7 +166,6 @@ MISS_CAUSES = {
     "Llama 3 405B, 8,192 GPUs": "interleaving_memory",
     "Llama 3 405B, 16,384 GPUs, CP 16": "recompute",
     "Megatron-Core GPT h=2,048": "per_step_costs",
-    "Megatron-Core GPT h=4,096": "per_step_costs",
     "Megatron-Core GPT h=7,168": "dp_under_one_backward",
     "DeepSeek-V3": "approximated",
 }

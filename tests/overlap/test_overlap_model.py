@@ -74,6 +74,17 @@ def test_issuing_costs_the_rank_its_launch_time_per_collective_and_is_never_hidd
                                    launch=0.2) == pytest.approx(0.2)
 
 
+@pytest.mark.parametrize("buckets", [1, 2, 3, 5, 8, 64])
+def test_ddp_closed_form_with_contention_equals_the_simulated_bucket_engine(buckets):
+    """Both regimes: all-reduces that end before the next bucket is ready, and back-to-back ones."""
+    rng = np.random.default_rng(100 + buckets)
+    for _ in range(200):
+        comm, backward = rng.uniform(0.01, 10, size=2)
+        alpha, contention = rng.choice([0.0, rng.uniform(0, 1)]), rng.uniform(0.0, 0.5)
+        assert overlap.ddp_exposed(comm, backward, buckets, alpha, contention) == pytest.approx(
+            overlap.ddp_exposed_serial(comm, backward, buckets, alpha, contention))
+
+
 def test_ddp_with_contention_is_simulated_and_costs_more():
     plain = overlap.ddp_exposed(10.0, 40.0, 4, 0.2)
     contended = overlap.ddp_exposed(10.0, 40.0, 4, 0.2, overlap.GPU_CONTENTION)

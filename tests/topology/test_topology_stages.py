@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 
+from dtp.overlap import model as overlap
+
 from dtp.pp import schedules
 from dtp.topology import collectives, frameworks, planner, search, stages, validation
 from dtp.topology.mesh import INTER_NODE, INTRA_NODE
@@ -130,11 +132,12 @@ def test_nccl_s_latency_model():
 
 
 def test_contention_slows_what_communication_hides_under():
-    """ε = 20/112 (DeepSeek-V3's 20 of 132 SMs): a hidden second of communication costs ε of
-    computation; an exposed one costs itself."""
-    assert collectives.DEFAULT_CONTENTION == pytest.approx(20 / 112)
-    assert collectives.contended_seconds(0.0, 2.0, 0.2) == pytest.approx(0.4)
-    assert collectives.contended_seconds(2.0, 2.0, 0.2) == 2.0
+    """ε = 20/112 (DeepSeek-V3's 20 of 132 SMs), the overlap chapter's estimate: computation beside a
+    collective it hides runs at 1/(1+ε), so a hidden second costs ε/(1+ε) of a second; a collective
+    that outlasts the slowed computation costs only its own excess."""
+    assert collectives.DEFAULT_CONTENTION == overlap.GPU_CONTENTION == pytest.approx(20 / 112)
+    assert overlap.exposed(2.0, 10.0, 0.2) == pytest.approx(2.0 * 0.2 / 1.2)
+    assert overlap.exposed(10.0, 2.0, 0.2) == pytest.approx(8.0)
     model, layout = planner.DENSE_70B, planner.PlannedLayout(8, 8, 16, 1, 1, 64)
     training = frameworks.practised(planner.FOUR_MILLION_TOKENS, "megatron-core")
     free = dataclasses.replace(planner.A100_CLUSTER, contention=0.0)

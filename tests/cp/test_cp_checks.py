@@ -208,3 +208,60 @@ def test_ring_backward_rejects_gradients_sent_straight_to_their_owner(tmp_notebo
         "    return dq, total[0], total[1]"))
     assert_fails(graded(tmp_notebook, "cp.ring_backward", {"ring_attention_backward": direct}),
                  "dK/dV accumulator on in c = 2 steps")
+
+
+# --- every exercise refuses what the library holds that solves any part of it ---
+
+SOFTMAX_FROM_PLAIN_ATTENTION = '''def online_softmax_attention(q, blocks, causal=False):
+    from dtp.cp.context_parallel import attention_numpy
+    keys, values = zip(*[(np.array(k_block), np.array(v_block)) for k_block, v_block in blocks])
+    return attention_numpy(q, np.concatenate(keys), np.concatenate(values), causal)
+'''
+
+
+def test_online_softmax_refuses_the_librarys_plain_attention(tmp_notebook):
+    assert_fails(graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": SOFTMAX_FROM_PLAIN_ATTENTION}),
+                 "calls the course's reference dtp.cp.context_parallel.attention_numpy")
+
+
+def test_ring_forward_refuses_the_per_block_math_of_the_library(tmp_notebook):
+    borrowed = changed(RING_CELL, ("def ring_pass(", "import dtp.cp.context_parallel as library\n\n\ndef ring_pass("),
+                       ("merge(outs[i], lses[i], *block_attention(qc, kc, vc, qp, kp, causal))",
+                        "library.merge(outs[i], lses[i], *library.masked_block(qc, kc, vc, qp, kp, causal))"))
+    assert_fails(graded(tmp_notebook, "cp.ring_forward", {"ring_attention": borrowed}),
+                 ("calls the course's reference dtp.cp.context_parallel.masked_block",
+                  "calls the course's reference dtp.cp.context_parallel.merge"))
+
+
+def test_the_learners_own_helpers_named_like_the_librarys_are_theirs(tmp_notebook):
+    """The guard refuses the library's function objects, not names: a notebook's own `masked_block`
+    and `merge` (the solution's is already called merge), or `attention_numpy`, run."""
+    own = changed(RING_CELL, ("def block_attention(", "def masked_block("),
+                  ("*block_attention(qc, kc, vc, qp, kp, causal)", "*masked_block(qc, kc, vc, qp, kp, causal)"))
+    assert graded(tmp_notebook, "cp.ring_forward", {"ring_attention": own}).status == "passed"
+    softmax_with_own_helper = '''def combine(out, lse, block_out, block_lse):  # numpy, of the learner's own
+    total = np.logaddexp(lse, block_lse)
+    safe = np.where(np.isfinite(total), total, 0.0)
+    return (out * np.exp(lse - safe)[:, None] + block_out * np.exp(block_lse - safe)[:, None]), total
+
+
+def attention_numpy(q, k, v, causal, start):  # one block's (output, log-sum-exp), the learner's own
+    scores = q @ k.T / math.sqrt(q.shape[1])
+    if causal:
+        scores = np.where(np.arange(start, start + len(k))[None, :] <= np.arange(len(q))[:, None], scores, -np.inf)
+    top = scores.max(axis=1)
+    shift = np.where(np.isfinite(top), top, 0.0)
+    weights = np.exp(scores - shift[:, None])
+    total = weights.sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.nan_to_num(weights @ v / total[:, None]), np.log(total) + shift
+
+
+def online_softmax_attention(q, blocks, causal=False):
+    out, lse, start = np.zeros(q.shape), np.full(len(q), -np.inf), 0
+    for k_block, v_block in blocks:
+        out, lse = combine(out, lse, *attention_numpy(q, k_block, v_block, causal, start))
+        start += len(k_block)
+    return out
+'''
+    assert graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": softmax_with_own_helper}).status == "passed"

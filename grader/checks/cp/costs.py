@@ -7,6 +7,7 @@ import math
 from dtp.cp import context_parallel as cp
 
 from ...registry import exercise
+from ..references import refuses_library
 from ..common import InterviewQuestions
 
 GIB = 2 ** 30
@@ -18,6 +19,7 @@ def _bytes_case(rng):
 
 
 @exercise("cp.costs", points=3)
+@refuses_library("dtp.cp.context_parallel")
 class Costs(InterviewQuestions):
     """Verifies: four formulas as functions of their numbers, on Llama 3 405B's and on random ones:
     bytes one rank sends per layer's forward for ring attention, for an all-gather of K and V, for
@@ -28,7 +30,6 @@ class Costs(InterviewQuestions):
 
     reads = ("ring_bytes_per_layer", "allgather_kv_bytes_per_layer", "ulysses_bytes_per_layer",
              "activation_bytes_per_rank")
-    references = tuple(f"dtp.cp.context_parallel.{name}" for name in reads)
     asked = {"ring_bytes_per_layer": (131072, 1024, 16, 2),
              "allgather_kv_bytes_per_layer": (131072, 1024, 16, 2),
              "ulysses_bytes_per_layer": (131072, 16384, 1024, 16, 2),
@@ -79,6 +80,7 @@ def _tokens_to_hide(flops, bandwidth, hidden, kv_hidden, dtype_bytes):
 
 
 @exercise("cp.interview", points=2)
+@refuses_library("dtp.cp.context_parallel")
 class Interview(InterviewQuestions):
     """Verifies: three interview answers as functions of the question's numbers: activation GiB
     per GPU of a pipeline stage with CP, the largest Ulysses degree under grouped-query attention
@@ -86,7 +88,6 @@ class Interview(InterviewQuestions):
     Fakes: a number copied from the page answers the asked question only; dtp trips."""
 
     reads = ("interview_activation_gib", "interview_ulysses_degree", "interview_tokens_to_hide")
-    references = ("dtp.cp.context_parallel.activation_bytes_per_rank",)
     asked = {"interview_activation_gib": (131072, 1, 16384, 128, 8, 8, 16),
              "interview_ulysses_degree": (128, 8, 8),
              "interview_tokens_to_hide": (989e12, 50e9, 16384, 1024, 2)}

@@ -9,6 +9,7 @@ from dtp.cp.context_parallel import ring_backward_bytes_per_layer
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import exercise
+from ..references import refuses_library
 from ..common import WorldsCheck, run_worlds
 from .harness import attention, backward_rank, contiguous, forward_rank, full_tensors, zigzag
 from .ring_pattern import (
@@ -51,6 +52,7 @@ def judge_output(out, wanted, what, slips=()):
 
 
 @exercise("cp.ring_forward", points=4)
+@refuses_library("dtp.cp.context_parallel")
 class RingForward(WorldsCheck):
     """Verifies: on c = 2 (causal or not, drawn) and c = 4 (causal) gloo ranks with random heads,
     tokens per rank and head size, every rank's output equals single-process attention on its
@@ -68,7 +70,6 @@ class RingForward(WorldsCheck):
     them) shows as the received bytes still referenced at the last steps' score products."""
 
     reads = ("ring_attention",)
-    references = ("dtp.cp.context_parallel.ring_attention_forward",)
     timeout_s = 60
     summary = ("outputs equal single-process attention for c = 2 and 4 (causal); K and V blocks passed on to one "
                "neighbour in c - 1 steps, scores computed block by block as the blocks arrived, no buffer for all of K and V "
@@ -104,6 +105,7 @@ class RingForward(WorldsCheck):
 
 
 @exercise("cp.ring_backward", points=3)
+@refuses_library("dtp.cp.context_parallel")
 class RingBackward(WorldsCheck):
     """Verifies: on c = 2 (causal) and c = 4 (causal or not) gloo ranks, dQ, dK and dV of every
     rank's blocks equal single-process autograd of attention (the forward's output and
@@ -114,7 +116,6 @@ class RingBackward(WorldsCheck):
     bytes."""
 
     reads = ("ring_attention_backward",)
-    references = ("dtp.cp.context_parallel.ring_attention_backward",)
     timeout_s = 60
     summary = ("dQ, dK, dV equal single-process autograd for c = 2 and 4; K/V and dK/dV went around the ring, "
                "bytes equal to the formula")
@@ -158,6 +159,7 @@ class RingBackward(WorldsCheck):
 
 
 @exercise("cp.zigzag", points=3)
+@refuses_library("dtp.cp.context_parallel")
 class Zigzag(WorldsCheck):
     """Verifies: on c = 3 and c = 4 gloo ranks, each holding chunks r and 2c-1-r of the sequence
     in 2c chunks, every rank's causal attention output equals single-process attention on its
@@ -170,7 +172,6 @@ class Zigzag(WorldsCheck):
     than the formula; the contiguous split's work is unbalanced."""
 
     reads = ("zigzag_ring_attention",)
-    references = ("dtp.cp.context_parallel.ring_attention_forward", "dtp.cp.context_parallel.zigzag_positions")
     timeout_s = 60
     summary = ("zigzag outputs equal single-process causal attention for c = 3 and 4, in each rank's token order; "
                "every rank computed the same (2c + 1) chunk pairs of scores")

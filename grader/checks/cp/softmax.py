@@ -10,6 +10,7 @@ from dtp.cp.context_parallel import attention_numpy
 
 from ...compare import CheckFailed, expect_close
 from ...registry import Check, exercise
+from ..references import refuses_library
 
 
 class ArrivingBlocks:
@@ -47,6 +48,7 @@ def without_rescale(q, k, v, sizes, causal):
 
 
 @exercise("cp.online_softmax", points=3)
+@refuses_library("dtp.cp.context_parallel")
 class OnlineSoftmax(Check):
     """Verifies: `online_softmax_attention(q, blocks, causal)` equals softmax attention (float64
     reference) for random token counts, head sizes and uneven block sizes, causal and not, with
@@ -58,7 +60,6 @@ class OnlineSoftmax(Check):
     are not detected); a naive exponential overflows to inf or nan."""
 
     reads = ("online_softmax_attention",)
-    references = ("dtp.cp.context_parallel.online_softmax_attention",)
     timeout_s = 15
 
     def prepare(self, rng):

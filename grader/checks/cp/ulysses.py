@@ -6,6 +6,7 @@ from dtp.cp.context_parallel import alltoall_input_bytes, ulysses_bytes_per_laye
 
 from ...compare import expect
 from ...registry import exercise
+from ..references import refuses_library
 from ..common import WorldsCheck, run_worlds
 from .harness import contiguous, forward_rank
 from .ring import FP32, judge_output, oracle
@@ -13,6 +14,7 @@ from .ring_pattern import unexpected_ops
 
 
 @exercise("cp.ulysses", points=3)
+@refuses_library("dtp.cp.context_parallel")
 class Ulysses(WorldsCheck):
     """Verifies: on c = 2 and c = 4 gloo ranks (heads a random multiple of c, causal drawn), every
     rank's output equals single-process attention on its tokens; the rank used all-to-alls only,
@@ -22,7 +24,6 @@ class Ulysses(WorldsCheck):
     than Q, K, V and the output, or fewer, changes the bytes."""
 
     reads = ("ulysses_attention",)
-    references = ("dtp.cp.context_parallel.ulysses_attention",)
     timeout_s = 40
     summary = ("outputs equal single-process attention for c = 2 and 4; all-to-all bytes equal "
                "(tokens/c)(2h + 2h_kv)·4 per rank, (c-1)/c of it sent")

@@ -7,10 +7,12 @@ from dtp.ep import moe
 
 from ...compare import expect, expect_answer
 from ...registry import Check, exercise
-from .shared import skewed_choices
+from ..references import refuses_library
+from .shared import MOE, skewed_choices
 
 
 @exercise("ep.all_to_all_bytes", points=2)
+@refuses_library(MOE)
 class AllToAllBytes(Check):
     """Verifies: bytes each rank sends to other ranks per forward and backward pass, with fixed
     capacity (random n, E, C, d, bytes per element) and dropless (random routings of 2 to 4
@@ -22,7 +24,6 @@ class AllToAllBytes(Check):
     """
 
     reads = ("capacity_all_to_all_bytes", "dropless_all_to_all_bytes")
-    references = ("dtp.ep.moe.capacity_all_to_all_bytes", "dtp.ep.moe.dropless_all_to_all_bytes")
     timeout_s = 15
 
     def prepare(self, rng):

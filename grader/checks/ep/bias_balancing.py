@@ -9,13 +9,12 @@ from dtp.ep import routing as moe_routing
 
 from ...compare import CheckFailed, expect
 from ...registry import Check, exercise
-from .shared import ROUTING_REFERENCES, integer_array, known_mistake, pair
-
-BIAS_REFERENCES = ("dtp.ep.routing.biased_top_k_routing", "dtp.ep.routing.update_choice_bias",
-                   "dtp.ep.routing.load_imbalance") + ROUTING_REFERENCES
+from ..references import refuses_library
+from .shared import MOE, integer_array, known_mistake, pair
 
 
 @exercise("ep.bias_balancing", points=3)
+@refuses_library("dtp.ep.routing", MOE)
 class BiasBalancing(Check):
     """Verifies: `biased_router` chooses each token's k experts by probability + bias, best
     first, on draws where the bias changes some tokens' choices, and returns as gate weights the
@@ -29,7 +28,6 @@ class BiasBalancing(Check):
     """
 
     reads = ("biased_router", "update_bias")
-    references = BIAS_REFERENCES
     timeout_s = 15
 
     def prepare(self, rng):

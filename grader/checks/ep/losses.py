@@ -10,9 +10,12 @@ from dtp.ep import moe
 
 from ...compare import CheckFailed, expect, expect_answer
 from ...registry import Check, exercise
+from ..references import refuses_library
+from .shared import MOE
 
 
 @exercise("ep.balancing_loss", points=2)
+@refuses_library(MOE)
 class BalancingLoss(Check):
     """Verifies: value and gradient with respect to the logits of the Switch load-balancing loss
     (random alpha, and the default 0.01) for top-1 and top-2 routing, and of the router z-loss
@@ -22,8 +25,6 @@ class BalancingLoss(Check):
     """
 
     reads = ("load_balancing_loss", "router_z_loss")
-    references = ("dtp.ep.moe.load_balancing_loss", "dtp.ep.moe.router_z_loss", "dtp.ep.moe.dispatched_fractions",
-                  "dtp.ep.moe.load_balancing_loss_and_gradient", "dtp.ep.moe.router_z_loss_and_gradient")
     timeout_s = 15
 
     def prepare(self, rng):

@@ -9,10 +9,12 @@ from dtp.ep import routing as moe_routing
 
 from ...compare import CheckFailed, expect, expect_answer
 from ...registry import Check, exercise
-from .shared import ROUTING_REFERENCES, integer_array, known_mistake, pair
+from ..references import refuses_library
+from .shared import MOE, integer_array, known_mistake, pair
 
 
 @exercise("ep.node_limited", points=3)
+@refuses_library("dtp.ep.routing", MOE)
 class NodeLimited(Check):
     """Verifies: `node_limited_router` keeps, for every token, the M nodes whose k/M most probable
     experts sum highest and routes top-k among their experts (best first, gate weights the
@@ -25,8 +27,6 @@ class NodeLimited(Check):
     """
 
     reads = ("node_limited_router", "cross_node_bytes", "max_cross_node_bytes")
-    references = ("dtp.ep.routing.node_limited_routing", "dtp.ep.routing.cross_node_dispatch_bytes") \
-        + ROUTING_REFERENCES
     timeout_s = 15
 
     def prepare(self, rng):

@@ -7,10 +7,12 @@ from dtp.ep import moe
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
-from .shared import ROUTING_REFERENCES, integer_array, known_mistake, name_mistakes, pair
+from ..references import refuses_library
+from .shared import MOE, integer_array, known_mistake, name_mistakes, pair
 
 
 @exercise("ep.router", points=2)
+@refuses_library(MOE)
 class Router(Check):
     """Verifies: expert indices (most probable first) and gate weights, renormalised or not, for
     k = 1 to 4 on random logits of random shapes, including logits near 1000 whose exponentials
@@ -19,7 +21,6 @@ class Router(Check):
     """
 
     reads = ("top_k_router",)
-    references = ROUTING_REFERENCES
     timeout_s = 15
 
     def prepare(self, rng):

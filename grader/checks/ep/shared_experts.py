@@ -5,6 +5,8 @@ from __future__ import annotations
 from dtp.ep import experts as moe_experts  # noqa: F401  imported before the sandbox is confined
 
 from ...registry import exercise
+from ..references import refuses_library
+from .shared import MOE
 from ..common import InterviewQuestions
 
 FUNCTIONS = ("moe_total_parameters", "moe_active_parameters", "moe_flops_per_token")
@@ -12,6 +14,7 @@ DEEPSEEK_V3_LAYER = (7168, 2048, 256, 1, 8)  # hidden, expert_hidden, routed, sh
 
 
 @exercise("ep.shared_experts", points=2)
+@refuses_library("dtp.ep.experts", MOE)
 class SharedExperts(InterviewQuestions):
     """Verifies: the total parameters, the parameters one token uses, and the forward FLOPs per
     token of an MoE feed-forward of SwiGLU experts with shared and routed experts (router over the
@@ -21,8 +24,6 @@ class SharedExperts(InterviewQuestions):
     Fakes: dtp.ep.experts' counts trip; numbers copied from the page fail the random layers."""
 
     reads = FUNCTIONS
-    references = ("dtp.ep.experts.moe_ffn_parameters", "dtp.ep.experts.moe_ffn_flops_per_token",
-                  "dtp.ep.experts.deepseek_parameter_counts", "dtp.ep.moe.moe_ffn_forward_flops")
     asked = {name: DEEPSEEK_V3_LAYER for name in FUNCTIONS}
     rel = 1e-9
     summary = ("total and active parameters and FLOPs per token are right for DeepSeek-V3's layer and for random "

@@ -11,8 +11,9 @@ from dtp.ep import tp_ep as moe_tp_ep
 
 from ...compare import CheckFailed, expect, expect_answer
 from ...registry import Check, exercise
+from ..references import refuses_library
 from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
-from .shared import LAYER_REFERENCES
+from .shared import MOE
 
 TP, EP = 2, 2
 
@@ -35,6 +36,7 @@ def _tp_ep_on_rank(rank, world_size, layer, case):
 
 
 @exercise("ep.tp_ep", points=3)
+@refuses_library("dtp.ep.tp_ep", MOE)
 class TensorAndExpertParallel(Check):
     """Verifies: on a gloo world of 4 (TP 2 × EP 2), each rank's output is the single-process
     layer (fixed capacity, renormalised top-k) on its own s/t tokens of the sequence, and its
@@ -48,8 +50,6 @@ class TensorAndExpertParallel(Check):
     """
 
     reads = ("tp_ep_moe", "tp_ep_dispatch_bytes")
-    references = ("dtp.ep.tp_ep.tp_ep_moe_forward", "dtp.ep.tp_ep.tp_ep_dispatch_bytes",
-                  "dtp.ep.tp_ep.measure_tp_ep") + LAYER_REFERENCES
     runs_world = True
     timeout_s = 60
 

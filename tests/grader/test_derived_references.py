@@ -42,8 +42,8 @@ def test_every_public_member_of_the_oracle_modules_is_refused_unless_the_check_r
     assert check.oracle_modules, f"{exercise.id} should derive its references (@refuses_library)"
     members = library_closure([m for module in check.oracle_modules for m in public_members(module)])
     left = {name for name in members - set(check.references) if not is_infrastructure(name)}
-    sandbox_side = library_closure(sandbox_side(type(check)))
-    assert left <= sandbox_side, f"{exercise.id} lets the learner call {sorted(left - sandbox_side)}"
+    runs_in_sandbox = library_closure(sandbox_side(type(check)))
+    assert left <= runs_in_sandbox, f"{exercise.id} lets the learner call {sorted(left - runs_in_sandbox)}"
 
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda exercise: exercise.id)

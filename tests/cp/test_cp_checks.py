@@ -4,6 +4,8 @@ values, a ring that keeps every block it used, the causal mask forgotten between
 all-gather where a ring or an all-to-all is asked for), and accepts correct answers written
 differently from the course's (isend/irecv instead of batch_isend_irecv)."""
 
+import pytest
+
 from conftest import assert_fails, changed, graded, solution_cell
 
 SOFTMAX_CELL = solution_cell("cp", "online_softmax_attention")
@@ -37,6 +39,42 @@ def test_online_softmax_rejects_a_naive_exponential(tmp_notebook):
 def test_online_softmax_rejects_storing_the_blocks_and_computing_at_the_end(tmp_notebook):
     stored = changed(SOFTMAX_CELL, ("    for k_block, v_block in blocks:", "    for k_block, v_block in list(blocks):"))
     assert graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": stored}).status == "failed"
+
+
+def test_online_softmax_rejects_copying_every_block_then_one_softmax(tmp_notebook):
+    """Copies of the blocks are what the reused buffer cannot catch: the memory kept as the blocks
+    arrive can (the issue's 'copy every block, then one softmax over all of them' scored 3/3)."""
+    copied = changed(SOFTMAX_CELL, ("    for k_block, v_block in blocks:",
+                                    "    for k_block, v_block in [(k.copy(), v.copy()) for k, v in blocks]:"))
+    assert_fails(graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": copied}),
+                 "keeps the blocks it has read")
+    one_softmax = '''def online_softmax_attention(q, blocks, causal=False):
+    keys, values = zip(*[(np.array(k_block), np.array(v_block)) for k_block, v_block in blocks])
+    k, v = np.concatenate(keys), np.concatenate(values)
+    scores = q @ k.T / math.sqrt(q.shape[1])
+    if causal:
+        scores = np.where(np.tril(np.ones(scores.shape, dtype=bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+    return weights / weights.sum(axis=1, keepdims=True) @ v
+'''
+    assert_fails(graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": one_softmax}),
+                 "keeps the blocks it has read")
+
+
+def test_online_softmax_names_a_causal_mask_that_hides_the_querys_own_key(tmp_notebook):
+    strict = changed(SOFTMAX_CELL, ("keys[None, :] <= np.arange(tokens)[:, None]", "keys[None, :] < np.arange(tokens)[:, None]"))
+    assert_fails(graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": strict}),
+                 "masks each query's own key")
+
+
+@pytest.mark.parametrize("old, new, feedback", [
+    ("out = out * rescale[:, None] + weights", "out = out + weights", "rescales the running sum but not the running output"),
+    ("running_sum = running_sum * rescale + weights", "running_sum = running_sum + weights",
+     "rescales the running output but not the running sum"),
+], ids=["output-not-rescaled", "sum-not-rescaled"])
+def test_online_softmax_names_half_a_rescale(tmp_notebook, old, new, feedback):
+    assert_fails(graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": changed(SOFTMAX_CELL, (old, new))}),
+                 feedback)
 
 
 # --- exercise 2: ring attention forward ---

@@ -3,7 +3,7 @@ reject plausible wrong answers with feedback that names the mistake, and accept 
 written differently from the course's."""
 import pytest
 
-from conftest import assert_verdict, graded
+from conftest import assert_fails, assert_verdict, graded
 
 
 def variants(exercise_id: str, cases: list, ids: list) -> list:
@@ -71,6 +71,23 @@ def update_bias(bias, expert_indices, rate):
 
 def test_bias_balancing_accepts_a_torch_router_and_a_loop(tmp_notebook):
     assert graded(tmp_notebook, "ep.bias_balancing", {"biased_router": BIAS_IN_TORCH}).status == "passed"
+
+
+def test_bias_update_refuses_a_load_count_without_a_fixed_length(tmp_notebook):
+    """np.bincount without minlength is short when the last experts got no token: no draw left an
+    expert idle, so it scored full marks; every grading now has idle experts, the last among them."""
+    short = BIAS_TEMPLATE.format(**BIAS_RIGHT).replace("np.bincount(expert_indices.reshape(-1), minlength=len(bias))",
+                                                       "np.bincount(expert_indices.reshape(-1))")
+    assert_fails(graded(tmp_notebook, "ep.bias_balancing", {"biased_router": short}), "received no token")
+
+
+def test_bias_update_names_idle_experts_left_out_of_the_count(tmp_notebook):
+    counted = BIAS_TEMPLATE.format(**BIAS_RIGHT).replace(
+        "    loads = np.bincount(expert_indices.reshape(-1), minlength=len(bias))\n    return bias + rate * np.sign(loads.mean() - loads)",
+        "    chosen, loads = np.unique(expert_indices, return_counts=True)\n    new = bias.copy()\n"
+        "    new[chosen] += rate * np.sign(loads.mean() - loads)\n    return new")
+    assert "np.unique" in counted
+    assert_fails(graded(tmp_notebook, "ep.bias_balancing", {"biased_router": counted}), "its bias rises by the rate too")
 
 
 # --- exercise 8: shared and fine-grained experts ---

@@ -162,7 +162,7 @@ def refuses_library(*modules: str):
     """Class decorator (under `@exercise`): the check's `references` become the names it lists
     (torch's own implementations, ...) and everything `derived_references` finds in `modules`."""
     def apply(check_class):
-        declared = tuple(vars(check_class).get("references", ()))
+        declared = tuple(check_class.references)  # its own or its base class's: torch's implementations, ...
         check_class.oracle_modules = modules
         check_class.references = tuple(dict.fromkeys(declared + derived_references(check_class, modules)))
         return check_class

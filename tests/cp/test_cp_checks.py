@@ -93,6 +93,20 @@ def test_ring_names_the_causal_mask_forgotten_between_blocks(tmp_notebook):
                  "causal mask applied only inside the rank's own block")
 
 
+def test_ring_names_a_causal_mask_on_positions_within_each_block(tmp_notebook):
+    local = changed(RING_CELL, ("    positions = list(torch.arange(block * c).chunk(c))\n    return ring_pass(",
+                                "    positions = [torch.arange(block)] * c  # positions within the block\n    return ring_pass("))
+    assert_fails(graded(tmp_notebook, "cp.ring_forward", {"ring_attention": local}), "positions within each block")
+
+
+def test_ring_names_blocks_labelled_with_the_rank_on_the_other_side(tmp_notebook):
+    """The block held at step i came from rank r - i; labelled r + i, the causal mask and the skip
+    are those of another block. It was told it received a block too early."""
+    mislabelled = changed(RING_CELL, ("        source = (rank - step) % c\n", "        source = (rank + step) % c\n"))
+    assert_fails(graded(tmp_notebook, "cp.ring_forward", {"ring_attention": mislabelled}),
+                 "as if it came from the wrong rank")
+
+
 def test_ring_rejects_an_all_gather_of_k_and_v(tmp_notebook):
     gathered = RING_CELL + '''
 
@@ -161,6 +175,12 @@ def test_ring_backward_rejects_gradients_that_never_come_home(tmp_notebook):
     assert graded(tmp_notebook, "cp.ring_backward", {"ring_attention_backward": short}).status == "failed"
 
 
+def test_ring_backward_names_the_missing_rowsum_term(tmp_notebook):
+    without = changed(BACKWARD_CELL, ("ds = p * (dout @ kv[1].transpose(-1, -2) - delta)", "ds = p * (dout @ kv[1].transpose(-1, -2))"))
+    assert_fails(graded(tmp_notebook, "cp.ring_backward", {"ring_attention_backward": without}),
+                 "subtracts each query's rowsum(dO ⊙ O)")
+
+
 # --- exercise 4: zigzag ---
 
 def test_zigzag_names_swapped_chunks(tmp_notebook):
@@ -168,6 +188,20 @@ def test_zigzag_names_swapped_chunks(tmp_notebook):
                                     "    out = ring_pass(q, k, v, positions, True, pieces=2)[0]\n"
                                     "    return torch.cat([out[:, chunk:], out[:, :chunk]], dim=1)"))
     assert_fails(graded(tmp_notebook, "cp.zigzag", {"zigzag_ring_attention": swapped}), "two chunks swapped")
+
+
+def test_zigzag_names_a_second_chunk_one_early(tmp_notebook):
+    off = changed(ZIGZAG_CELL, ("    positions = [torch.cat([chunks[r], chunks[2 * c - 1 - r]]) for r in range(c)]",
+                                "    positions = [torch.cat([chunks[r], chunks[2 * c - 2 - r]]) for r in range(c)]"))
+    assert_fails(graded(tmp_notebook, "cp.zigzag", {"zigzag_ring_attention": off}), "second chunk taken as chunk 2c - 2 - r")
+
+
+def test_zigzag_accepts_second_chunks_labelled_one_late(tmp_notebook):
+    """Positions shifted together keep their order, and a causal mask sees only order: right."""
+    late = changed(ZIGZAG_CELL, ("    positions = [torch.cat([chunks[r], chunks[2 * c - 1 - r]]) for r in range(c)]",
+                                 "    positions = [torch.cat([chunks[r], torch.arange((2 * c - r) * chunk, (2 * c - r + 1) * chunk)])"
+                                 " for r in range(c)]"))
+    assert graded(tmp_notebook, "cp.zigzag", {"zigzag_ring_attention": late}).status == "passed"
 
 
 def test_zigzag_rejects_whole_masked_blocks(tmp_notebook):
@@ -187,6 +221,12 @@ def test_ulysses_rejects_an_all_gather(tmp_notebook):
     return out[:, rank * q.shape[1]:(rank + 1) * q.shape[1]]
 '''
     assert_fails(graded(tmp_notebook, "cp.ulysses", {"ulysses_attention": gathered}), "called all_gather")
+
+
+def test_ulysses_names_attention_without_the_causal_flag(tmp_notebook):
+    unmasked = changed(ULYSSES_CELL, ("local = reference_attention(full[0], full[1], full[2], causal)",
+                                      "local = reference_attention(full[0], full[1], full[2])"))
+    assert_fails(graded(tmp_notebook, "cp.ulysses", {"ulysses_attention": unmasked}), "without the causal mask")
 
 
 def test_ulysses_accepts_all_to_all_single(tmp_notebook):

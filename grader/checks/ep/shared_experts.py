@@ -10,6 +10,8 @@ from .shared import MOE
 from ..common import InterviewQuestions
 
 FUNCTIONS = ("moe_total_parameters", "moe_active_parameters", "moe_flops_per_token")
+PER_ROUTED = ("that counts the shared experts once per routed expert; they are separate experts, `shared` of them in "
+              "the layer, each used by every token once: (routed + shared) experts in all, (k + shared) per token")
 DEEPSEEK_V3_LAYER = (7168, 2048, 256, 1, 8)  # hidden, expert_hidden, routed, shared, k
 
 
@@ -20,7 +22,7 @@ class SharedExperts(InterviewQuestions):
     token of an MoE feed-forward of SwiGLU experts with shared and routed experts (router over the
     routed ones only), on DeepSeek-V3's layer and on random widths, expert counts, 1 to 3 shared
     experts and top-k (shared experts always nonzero in the random ones, so that counting them as
-    routed, or leaving them out, fails).
+    routed, or leaving them out, fails). Shared experts counted once per routed expert are named.
     Fakes: dtp.ep.experts' counts trip; numbers copied from the page fail the random layers."""
 
     reads = FUNCTIONS
@@ -47,9 +49,11 @@ class SharedExperts(InterviewQuestions):
                     "the shared experts are missing: they hold parameters too": routed * expert + router,
                     "a SwiGLU expert has three h×f matrices (gate, up, down), not two":
                         (routed + shared) * 2 * hidden * expert_hidden + router,
-                    "the router's h×E_routed parameters are missing": (routed + shared) * expert}
+                    "the router's h×E_routed parameters are missing": (routed + shared) * expert,
+                    PER_ROUTED: routed * (1 + shared) * expert + router}
         active = (k + shared) * expert + router
         slips = {"a token uses every shared expert besides its k routed ones: (k + shared) experts": k * expert + router,
+                 PER_ROUTED: k * (1 + shared) * expert + router,
                  "every token uses the router (it scores all routed experts)": (k + shared) * expert,
                  "a SwiGLU expert has three h×f matrices (gate, up, down), not two":
                      (k + shared) * 2 * hidden * expert_hidden + router}

@@ -46,7 +46,9 @@ class TensorAndExpertParallel(Check):
     parallelism.
     Fakes: dtp.ep.tp_ep and dtp.ep.moe's layers and router trip; an output computed without the
     all-to-all (every rank holding only its own experts) cannot equal the layer; dispatching the
-    whole sequence from every TP rank fails on the output's rows and on the bytes.
+    whole sequence from every TP rank fails on the output's rows, and keeping only the rank's own
+    rows of it on their values (every grading's layer drops other tokens when twice the tokens meet
+    the same capacity), each named.
     """
 
     reads = ("tp_ep_moe", "tp_ep_dispatch_bytes")
@@ -54,14 +56,18 @@ class TensorAndExpertParallel(Check):
     timeout_s = 60
 
     def prepare(self, rng):
-        experts, k = int(rng.choice([4, 6, 8])), int(rng.integers(1, 3))
-        seq, hidden, width = TP * int(rng.integers(5, 12)), int(rng.integers(4, 9)), int(rng.integers(3, 7))
-        factor = float(rng.choice([1.0, 1.25, 2.0]))
-        case = {"x": rng.standard_normal((seq, hidden)),
-                "router": rng.standard_normal((hidden, experts)) + rng.standard_normal(experts),
-                "w_in": rng.standard_normal((experts, hidden, width)) / np.sqrt(hidden),
-                "w_out": rng.standard_normal((experts, width, hidden)), "k": k, "factor": factor,
-                "capacity": moe.expert_capacity(seq // TP, experts, k, factor)}
+        while True:  # until dispatching the whole sequence (the same capacity, twice the tokens) drops differently
+            experts, k = int(rng.choice([4, 6, 8])), int(rng.integers(1, 3))
+            seq, hidden, width = TP * int(rng.integers(5, 12)), int(rng.integers(4, 9)), int(rng.integers(3, 7))
+            factor = float(rng.choice([1.0, 1.25, 2.0]))
+            case = {"x": rng.standard_normal((seq, hidden)),
+                    "router": rng.standard_normal((hidden, experts)) + rng.standard_normal(experts),
+                    "w_in": rng.standard_normal((experts, hidden, width)) / np.sqrt(hidden),
+                    "w_out": rng.standard_normal((experts, width, hidden)), "k": k, "factor": factor,
+                    "capacity": moe.expert_capacity(seq // TP, experts, k, factor)}
+            if any(not np.allclose(whole, right, **LAYER_TOLERANCE)
+                   for whole, right in zip(whole_sequence_outputs(case), layer_outputs(case))):
+                break
         formulas = [(int(rng.integers(64, 8192)) * t, t, e, e * int(rng.integers(1, 9)), int(rng.integers(1, 5)),
                      float(rng.choice([1.0, 1.25, 1.5])), int(rng.integers(64, 8192)), int(rng.choice([2, 4])), sp)
                     for t, e, sp in ((2, 2, True), (4, 8, True), (8, 4, False), (int(rng.choice([2, 4])), 2, True))]
@@ -101,9 +107,33 @@ def _judge_formula(args, answer) -> None:
         "bytes_per_element is missing": expected / width})
 
 
+LAYER_TOLERANCE = dict(rtol=1e-7, atol=1e-9)
+WHOLE_SEQUENCE = ("every TP rank dispatched the whole sequence and kept its own rows of the output: with sequence "
+                  "parallelism a TP rank holds and dispatches only its own s/t tokens (x_sequence.chunk(tp)[tp_rank]); "
+                  "the whole sequence, twice the tokens into the same capacity, drops other tokens (and sends each one "
+                  "to its experts t times)")
+
+
+def _shares(case) -> list[np.ndarray]:
+    seq, hidden = case["x"].shape
+    return list(case["x"].reshape(TP, seq // TP, hidden))
+
+
+def layer_outputs(case) -> list[np.ndarray]:
+    """Each TP rank's right output: the single-process layer on its s/t tokens."""
+    return [moe.moe_layer(share, case["router"], case["w_in"], case["w_out"], case["k"], case["capacity"], True)
+            for share in _shares(case)]
+
+
+def whole_sequence_outputs(case) -> list[np.ndarray]:
+    """Each TP rank's rows of the layer on the whole sequence, with the capacity of s/t tokens."""
+    whole = moe.moe_layer(case["x"], case["router"], case["w_in"], case["w_out"], case["k"], case["capacity"], True)
+    return list(whole.reshape(TP, -1, whole.shape[1]))
+
+
 def _judge_rank(case, rank: int, outcome) -> None:
     seq, hidden = case["x"].shape
-    share = case["x"].reshape(TP, seq // TP, hidden)[rank % TP]
+    share = _shares(case)[rank % TP]
     what = f"rank {rank} (tp_rank {rank % TP}, ep_rank {rank // TP}) of a TP {TP} × EP {EP} world, sequence of {seq}"
     output = outcome["output"]
     expect(isinstance(output, (np.ndarray, torch.Tensor)), f"{what}: tp_ep_moe should return a tensor")
@@ -113,8 +143,10 @@ def _judge_rank(case, rank: int, outcome) -> None:
                           f"each token went to its experts {TP} times. With sequence parallelism a TP rank holds and "
                           f"dispatches only its own s/t = {seq // TP} tokens (x_sequence.chunk(tp)[tp_rank])")
     expect(output.shape == share.shape, f"{what}: the output should have shape {share.shape}, not {output.shape}")
-    expected = moe.moe_layer(share, case["router"], case["w_in"], case["w_out"], case["k"], case["capacity"], True)
-    if not np.allclose(output, expected, rtol=1e-7, atol=1e-9):
+    expected = layer_outputs(case)[rank % TP]
+    if not np.allclose(output, expected, **LAYER_TOLERANCE):
+        if np.allclose(output, whole_sequence_outputs(case)[rank % TP], **LAYER_TOLERANCE):
+            raise CheckFailed(f"{what}: {WHOLE_SEQUENCE}")
         raise CheckFailed(f"{what}: the output differs from the single-process layer on this rank's "
                           f"{seq // TP} tokens by up to {np.abs(output - expected).max():.3g} (capacity "
                           f"{case['capacity']} per rank, renormalised top-{case['k']})")

@@ -45,29 +45,32 @@ class ArrivingBlocks:
             yield k_buffer[:size], v_buffer[:size]
 
 
-def online_variant(q, k, v, sizes, causal, *, rescale_sum=True, rescale_out=True, block_max=False, strict=False):
+def online_variant(q, k, v, sizes, causal, *, rescale_sum=True, rescale_out=True, block_max=False, strict=False,
+                   subtract_max=True):
     """The online softmax as a learner may write it: with `rescale_sum` / `rescale_out` False the
     running sum / output is not multiplied by exp(m - m') when a block raises the maximum;
     `block_max` takes each block's exponentials against the block's own maximum and adds them
-    without any rescale; `strict` masks a query's own position too (keys k < q). A query with no
-    visible key gets nan."""
-    tokens = q.shape[0]
-    running_max, total = np.full(tokens, -np.inf), np.zeros(tokens)
-    out, start = np.zeros((tokens, v.shape[1])), 0
-    for size in sizes:
-        scores = q @ k[start:start + size].T / math.sqrt(q.shape[1])
-        if causal:
-            keys, queries = np.arange(start, start + size)[None, :], np.arange(tokens)[:, None]
-            scores = np.where(keys < queries if strict else keys <= queries, scores, -np.inf)
-        new_max = scores.max(axis=1) if block_max else np.maximum(running_max, scores.max(axis=1))
-        shift = np.where(np.isfinite(new_max), new_max, 0.0)
-        rescale = np.ones(tokens) if block_max else np.exp(np.where(np.isfinite(running_max), running_max - shift, 0.0))
-        weights = np.exp(scores - shift[:, None])
-        total = total * (rescale if rescale_sum else 1.0) + weights.sum(axis=1)
-        out = out * (rescale[:, None] if rescale_out else 1.0) + weights @ v[start:start + size]
-        running_max = np.maximum(running_max, new_max)
-        start += size
-    with np.errstate(divide="ignore", invalid="ignore"):
+    without any rescale; `strict` masks a query's own position too (keys k < q); without
+    `subtract_max` the exponentials are taken of the scores themselves. A query with no visible key
+    gets nan."""
+    with np.errstate(all="ignore"):  # the slips overflow, and divide 0 by 0, as the learner's code did
+        tokens = q.shape[0]
+        running_max, total = np.full(tokens, -np.inf), np.zeros(tokens)
+        out, start = np.zeros((tokens, v.shape[1])), 0
+        for size in sizes:
+            scores = q @ k[start:start + size].T / math.sqrt(q.shape[1])
+            if causal:
+                keys, queries = np.arange(start, start + size)[None, :], np.arange(tokens)[:, None]
+                scores = np.where(keys < queries if strict else keys <= queries, scores, -np.inf)
+            new_max = scores.max(axis=1) if block_max else np.maximum(running_max, scores.max(axis=1))
+            shift = np.where(np.isfinite(new_max) & subtract_max, new_max, 0.0)
+            rescale = np.ones(tokens) if block_max or not subtract_max else \
+                np.exp(np.where(np.isfinite(running_max), running_max - shift, 0.0))
+            weights = np.exp(scores - shift[:, None])
+            total = total * (rescale if rescale_sum else 1.0) + weights.sum(axis=1)
+            out = out * (rescale[:, None] if rescale_out else 1.0) + weights @ v[start:start + size]
+            running_max = np.maximum(running_max, new_max)
+            start += size
         return out / total[:, None]
 
 
@@ -78,6 +81,8 @@ SLIPS = {  # feedback -> the online_variant options that give it
     "the sum and the output were summed against m, so multiply both by exp(m - m')": dict(rescale_out=False),
     "rescales the running output but not the running sum: when a block raises a query's maximum from m to m', both "
     "the sum and the output were summed against m, so multiply both by exp(m - m')": dict(rescale_sum=False),
+    "takes the exponentials of the scores themselves: scores of this size overflow exp (or underflow it to 0, "
+    "losing the weights' precision); subtract the running maximum before exponentiating": dict(subtract_max=False),
 }
 STRICT_MASK = ("masks each query's own key: causal attention lets the query at position i see keys at positions "
                "<= i (mask keys after it, k > i), so query 0 sees key 0 and no query is left without a key")
@@ -176,25 +181,27 @@ def judge_output(case, answer) -> None:
         if causal and np.allclose(out[1:], online_variant(q, k, v, sizes, causal, strict=True)[1:], **TOLERANCE):
             raise CheckFailed(f"{what} {STRICT_MASK}")
         if not np.all(np.isfinite(out)):
-            raise CheckFailed(f"{what} contains inf or nan{_where_not_finite(q, k, sizes, causal, out)}")
+            raise CheckFailed(f"{what} contains inf or nan{_where_not_finite(case, out)}")
         for feedback, options in SLIPS.items():
             if np.allclose(out, online_variant(q, k, v, sizes, causal, **options), **TOLERANCE):
                 raise CheckFailed(f"{what} {feedback}")
     expect_close(out, wanted, what, check_dtype=False, **TOLERANCE)
 
 
-def _where_not_finite(q, k, sizes, causal, out) -> str:
-    """Why the rows that are not finite are: a block whose keys are all masked for those queries
-    (its maximum is -inf), or scores where exp overflows."""
+def _where_not_finite(case, out) -> str:
+    """Why the rows that are not finite are: scores where exp overflows (the rows a naive
+    exponential leaves not finite), or a block whose keys are all masked for those queries (its
+    maximum is -inf: every row before the last block's start can have one)."""
+    q, k, v, sizes, causal = case["q"], case["k"], case["v"], case["sizes"], case["causal"]
     rows = np.nonzero(~np.all(np.isfinite(out), axis=1))[0]
-    starts = np.cumsum([0] + sizes[:-1])
-    if causal and len(rows) and all(any(start > row for start in starts) for row in rows):
+    naive = np.nonzero(~np.all(np.isfinite(online_variant(q, k, v, sizes, causal, subtract_max=False)), axis=1))[0]
+    if causal and len(rows) and not np.array_equal(rows, naive) and rows.max() < sum(sizes[:-1]):
         return (f" for queries {rows[:5].tolist()}{'...' if len(rows) > 5 else ''}, each of which has a block whose "
                 "keys all come after it: that block's maximum is -inf, and exp(-inf - (-inf)) is nan. A query whose "
                 "keys so far are all masked has nothing yet: keep its maximum at -inf, and subtract 0 instead of it")
     largest = np.abs(q @ k.T).max() / math.sqrt(q.shape[1])
-    return (f": scores reach {largest:.3g}, where exp overflows; subtract the running maximum before "
-            "exponentiating")
+    return (f": scores reach {largest:.3g}, where exp overflows (and far below, where it underflows to 0); subtract "
+            "the running maximum before exponentiating")
 
 
 def judge_memory(case, held) -> None:

@@ -18,10 +18,14 @@ def _attention_where(seed, heads, seq, d, visible: np.ndarray) -> np.ndarray:
     return (torch.softmax(scores, -1) @ v).numpy()
 
 
-def _rows_of_each_rank(seed, heads, seq, d, c, layout, visible_for_rank) -> list[np.ndarray]:
-    """Each rank's output rows, the rank's queries seeing the keys `visible_for_rank(rank)` allows."""
+def _rows_of_each_rank(seed, heads, seq, d, c, layout, visible) -> list[np.ndarray]:
+    """Each rank's output rows, its queries seeing the keys `visible` allows: one matrix for every
+    rank, or a function of the rank."""
     rows = (zigzag if layout == "zigzag" else contiguous)(seq, c)
-    return [_attention_where(seed, heads, seq, d, visible_for_rank(rank))[:, rows[rank]] for rank in range(c)]
+    if not callable(visible):
+        whole = _attention_where(seed, heads, seq, d, visible)
+        return [whole[:, rows[rank]] for rank in range(c)]
+    return [_attention_where(seed, heads, seq, d, visible(rank))[:, rows[rank]] for rank in range(c)]
 
 
 def ring_forward_slips(seed, heads, seq, d, c, causal) -> list[tuple[str, list[np.ndarray]]]:
@@ -47,9 +51,9 @@ def ring_forward_slips(seed, heads, seq, d, c, causal) -> list[tuple[str, list[n
     slips = [
         ("is attention with the causal mask applied only inside the rank's own block: queries also saw the keys of "
          "later ranks' blocks. Skip (or mask) a block whose tokens all come after the rank's",
-         lambda rank: ~own_block | causal_mask),
-        (local_positions, lambda rank: local_mask),
-        (local_positions, lambda rank: local_mask & (owner[None, :] <= owner[:, None])),  # later blocks skipped
+         ~own_block | causal_mask),
+        (local_positions, local_mask),
+        (local_positions, local_mask & (owner[None, :] <= owner[:, None])),  # later blocks skipped
         ("masks each block as if it came from the wrong rank: at step i a rank holds the block of rank r - i (it "
          "receives from r - 1 and sends to r + 1), not of rank r + i. Label each block with the rank it started on "
          "(the direction your messages travel decides which)", relabelled),
@@ -72,7 +76,7 @@ def zigzag_slips(seed, heads, seq, d, c) -> list[tuple[str, list[np.ndarray]]]:
     visible = label[None, :] <= label[:, None]
     return [("is causal attention with each rank's second chunk taken as chunk 2c - 2 - r: rank r holds chunks r "
              "and 2c - 1 - r of the 2c (rank 0 the first and the last), and its positions are those chunks' tokens",
-             _rows_of_each_rank(seed, heads, seq, d, c, "zigzag", lambda rank: visible))]
+             _rows_of_each_rank(seed, heads, seq, d, c, "zigzag", visible))]
 
 
 def backward_without_rowsum(seed, heads, seq, d, c, causal) -> list[tuple[np.ndarray, np.ndarray]]:

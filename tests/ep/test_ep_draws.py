@@ -8,8 +8,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from dtp.ep import moe
-from grader.checks.ep import expert_parallel
+from conftest import numbers_slips_refused, refusal_table, words
+from dtp.ep import moe, routing
+from grader.checks.ep import bias_balancing, expert_parallel, node_limited, tp_ep
 from grader.checks.ep.layer import layer_slips
 from grader.compare import CheckFailed
 from grader.registry import find_exercise
@@ -200,3 +201,142 @@ def test_interview_draws_capacities_that_round_and_floor_get_wrong():
         for tokens, experts, k, factor in questions[1:]:
             right = moe.expert_capacity(tokens, experts, k, factor)
             assert round(factor * tokens * k / experts) != right and int(factor * tokens * k / experts) != right
+
+
+# --- every named slip of the chapter's newer checks refused, and named, on every one of 100 draws ---
+
+DRAWS = range(100)
+
+
+def assert_every_slip_refused(exercise_id: str, counts: dict) -> None:
+    print("\n" + refusal_table(exercise_id, counts, len(DRAWS)))
+    assert counts and all(count == len(DRAWS) for count in counts.values()), refusal_table(exercise_id, counts, len(DRAWS))
+
+
+def refused_with(judge, feedback: str) -> bool:
+    try:
+        judge()
+    except CheckFailed as failure:
+        return words(feedback) in words(str(failure))
+    return False
+
+
+def variants_of(slips: dict) -> list[tuple[str, int, object]]:
+    """(feedback, variant, value) for a slip table whose values may be lists of variants."""
+    return [(feedback, i, value) for feedback, values in slips.items()
+            for i, value in enumerate(values if isinstance(values, list) else [values])]
+
+
+def count(counts: dict, refusals: dict) -> None:
+    for key, refused in refusals.items():
+        counts[key] = counts.get(key, 0) + refused
+
+
+@pytest.mark.parametrize("exercise_id", ["ep.shared_experts", "ep.interview", "ep.capacity"])
+def test_every_formula_slip_is_refused_on_every_draw(exercise_id):
+    assert_every_slip_refused(exercise_id, numbers_slips_refused(exercise_id, len(DRAWS)))
+
+
+def bias_answers(inputs) -> dict:
+    return {"routed": [routing.biased_top_k_routing(c["logits"], c["bias"], c["k"], c["renormalize"])
+                       for c in inputs["routings"]],
+            "updated": [routing.update_choice_bias(c["bias"], c["indices"], c["rate"]) for c in inputs["updates"]]}
+
+
+class UpdateStudent:
+    """update_bias with a load count of no fixed length (np.bincount without minlength)."""
+
+    @staticmethod
+    def update_bias(bias, expert_indices, rate):
+        loads = np.bincount(expert_indices.reshape(-1))
+        return bias + rate * np.sign(loads.mean() - loads)
+
+
+def test_every_bias_balancing_slip_is_refused_on_every_draw():
+    check = find_exercise("ep.bias_balancing").check
+    counts = {}
+    for seed in DRAWS:
+        inputs = prepared("ep.bias_balancing", seed)
+        right = bias_answers(inputs)
+        check.judge(inputs, right)
+        refusals = {}
+        for index, case in enumerate(inputs["routings"]):
+            indices, weights = right["routed"][index]
+            for feedback, variant, value in variants_of(bias_balancing.choice_slips(case)):
+                routed = [*right["routed"][:index], (value, weights), *right["routed"][index + 1:]]
+                refusals[feedback, variant] = refusals.get((feedback, variant), False) or refused_with(
+                    lambda: check.judge(inputs, {**right, "routed": routed}), feedback)
+            for feedback, variant, value in variants_of(bias_balancing.gate_slips(case)):
+                routed = [*right["routed"][:index], (indices, value), *right["routed"][index + 1:]]
+                refusals[feedback, variant] = refusals.get((feedback, variant), False) or refused_with(
+                    lambda: check.judge(inputs, {**right, "routed": routed}), feedback)
+        for index, case in enumerate(inputs["updates"]):
+            for feedback, variant, value in variants_of(bias_balancing.update_slips(case)):
+                updated = [*right["updated"][:index], value, *right["updated"][index + 1:]]
+                refusals[feedback, variant] = refusals.get((feedback, variant), False) or refused_with(
+                    lambda: check.judge(inputs, {**right, "updated": updated}), feedback)
+        short = [bias_balancing._updated(UpdateStudent, case) for case in inputs["updates"]]
+        refusals["np.bincount without minlength", 0] = refused_with(lambda: check.judge(inputs, {**right, "updated": short}),
+                                                                     "received no token")
+        count(counts, refusals)
+    assert_every_slip_refused("ep.bias_balancing", counts)
+
+
+def test_every_node_limited_slip_is_refused_on_every_draw():
+    check = find_exercise("ep.node_limited").check
+    counts = {}
+    for seed in DRAWS:
+        cases = prepared("ep.node_limited", seed)
+        right = [{"routed": routing.node_limited_routing(c["logits"], c["k"], c["experts_per_node"], c["max_nodes"],
+                                                         c["renormalize"]),
+                  "crossing": routing.cross_node_dispatch_bytes(c["limited_indices"], c["experts_per_node"],
+                                                                c["source_node"], c["hidden"], c["bytes_per_element"]),
+                  "bound": c["logits"].shape[0] * c["max_nodes"] * c["hidden"] * c["bytes_per_element"]} for c in cases]
+        check.judge(cases, right)
+        refusals = {}
+        for index, case in enumerate(cases):
+            slips = {"routed": node_limited.routing_slips(case["logits"], case["k"], case["experts_per_node"],
+                                                          case["max_nodes"]),
+                     "crossing": node_limited.crossing_slips(case), "bound": node_limited.bound_slips(case)}
+            for part, table in slips.items():
+                for feedback, value in table.items():
+                    wrong = (value, right[index]["routed"][1]) if part == "routed" else value
+                    answers = [*right[:index], {**right[index], part: wrong}, *right[index + 1:]]
+                    refusals[feedback] = refusals.get(feedback, False) or refused_with(lambda: check.judge(cases, answers),
+                                                                                       feedback)
+        count(counts, refusals)
+    assert_every_slip_refused("ep.node_limited", counts)
+
+
+def tp_ep_outcomes(case, outputs) -> list:
+    """What each rank of the TP 2 x EP 2 world returns: its output and one all-to-all of its EP group
+    with the dispatch bytes of the formula (the rank's own part included)."""
+    experts, (seq, hidden) = case["router"].shape[1], case["x"].shape
+    sent = tp_ep.moe_tp_ep.tp_ep_dispatch_bytes(seq, tp_ep.TP, tp_ep.EP, experts, case["k"], case["factor"], hidden, 8)
+    return [{"output": outputs[rank % tp_ep.TP],
+             "events": [{"op": "all_to_all", "bytes": sent * tp_ep.EP // (tp_ep.EP - 1),
+                         "group": [rank % tp_ep.TP + tp_ep.TP * j for j in range(tp_ep.EP)]}]}
+            for rank in range(tp_ep.TP * tp_ep.EP)]
+
+
+def test_every_tp_ep_slip_is_refused_on_every_draw():
+    check = find_exercise("ep.tp_ep").check
+    counts = {}
+    for seed in DRAWS:
+        inputs = prepared("ep.tp_ep", seed)
+        case = inputs["case"]
+        right_bytes = [tp_ep.moe_tp_ep.tp_ep_dispatch_bytes(*args[:-1], sequence_parallel=args[-1])
+                       for args in inputs["formulas"]]
+        right = {"worlds": [tp_ep_outcomes(case, tp_ep.layer_outputs(case))], "bytes": right_bytes}
+        check.judge(inputs, right)
+        refusals = {}
+        for index, args in enumerate(inputs["formulas"]):
+            for feedback, value in tp_ep.formula_slips(args).items():
+                answers = {**right, "bytes": [*right_bytes[:index], value, *right_bytes[index + 1:]]}
+                refusals[feedback] = refusals.get(feedback, False) or refused_with(
+                    lambda: check.judge(inputs, answers), feedback)
+        whole = {**right, "worlds": [tp_ep_outcomes(case, tp_ep.whole_sequence_outputs(case))]}
+        refusals["whole sequence dispatched, own rows kept"] = refused_with(lambda: check.judge(inputs, whole),
+                                                                            "kept its own rows of the output")
+        count(counts, refusals)
+    assert_every_slip_refused("ep.tp_ep", counts)

@@ -96,15 +96,21 @@ def _judge_formula(args, answer) -> None:
     seq, tp, ep, experts, k, factor, hidden, width, sp = args
     what = (f"tp_ep_dispatch_bytes(seq_tokens={seq}, tp={tp}, ep={ep}, num_experts={experts}, k={k}, "
             f"capacity_factor={factor}, hidden={hidden}, bytes_per_element={width}, sequence_parallel={sp})")
+    expect_answer(answer, moe_tp_ep.tp_ep_dispatch_bytes(*args[:-1], sequence_parallel=sp), what, rel=1e-12,
+                  slips=formula_slips(args))
+
+
+def formula_slips(args) -> dict:
+    """feedback -> the bytes that mistake gives, for tp_ep_dispatch_bytes(*args)."""
+    seq, tp, ep, experts, k, factor, hidden, width, sp = args
     expected = moe_tp_ep.tp_ep_dispatch_bytes(*args[:-1], sequence_parallel=sp)
-    other = moe_tp_ep.tp_ep_dispatch_bytes(*args[:-1], sequence_parallel=not sp)
     capacity = moe.expert_capacity(seq // tp if sp else seq, experts, k, factor)
-    expect_answer(answer, expected, what, rel=1e-12, slips={
-        ("with sequence parallelism a TP rank routes only its s/t tokens, so its capacity is computed on s/t"
-         if sp else "without sequence parallelism every TP rank holds (and routes) all s tokens"): other,
-        "the rows for the rank's own experts stay on it: (e-1)·(E/e)·C rows leave, not E·C":
-            experts * capacity * hidden * width,
-        "bytes_per_element is missing": expected / width})
+    return {("with sequence parallelism a TP rank routes only its s/t tokens, so its capacity is computed on s/t"
+             if sp else "without sequence parallelism every TP rank holds (and routes) all s tokens"):
+                moe_tp_ep.tp_ep_dispatch_bytes(*args[:-1], sequence_parallel=not sp),
+            "the rows for the rank's own experts stay on it: (e-1)·(E/e)·C rows leave, not E·C":
+                experts * capacity * hidden * width,
+            "bytes_per_element is missing": expected / width}
 
 
 LAYER_TOLERANCE = dict(rtol=1e-7, atol=1e-9)

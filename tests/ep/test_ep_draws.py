@@ -10,7 +10,7 @@ import pytest
 
 from conftest import numbers_slips_refused, refusal_table, words
 from dtp.ep import moe, routing
-from grader.checks.ep import bias_balancing, expert_parallel, node_limited, tp_ep
+from grader.checks.ep import all_to_all_bytes, bias_balancing, expert_parallel, layer, losses, node_limited, router, tp_ep
 from grader.checks.ep.layer import layer_slips
 from grader.compare import CheckFailed
 from grader.registry import find_exercise
@@ -340,3 +340,97 @@ def test_every_tp_ep_slip_is_refused_on_every_draw():
                                                                             "kept its own rows of the output")
         count(counts, refusals)
     assert_every_slip_refused("ep.tp_ep", counts)
+
+
+# --- and of the chapter's first exercises, through the same slip tables ---
+
+def case_by_case(judge, right: list, slips_of, wrong_answer=lambda value, right_answer: value, lists_are_variants=True):
+    """(feedback in words, variant) -> whether that slip, committed in one case (any), is refused and
+    named by `judge(answers)`; `slips_of(index)` is the case's slip table (a list there holds the
+    slip's variants, or with `lists_are_variants` False, one answer that is a list)."""
+    refusals = {}
+    for index in range(len(right)):
+        table = slips_of(index)
+        found = variants_of(table) if lists_are_variants else [(feedback, 0, value) for feedback, value in table.items()]
+        for feedback, variant, value in found:
+            answers = [*right[:index], wrong_answer(value, right[index]), *right[index + 1:]]
+            key = words(feedback), variant  # a slip's feedback may quote the case's numbers
+            refusals[key] = refusals.get(key, False) or refused_with(lambda: judge(answers), feedback)
+    return refusals
+
+
+def test_every_router_slip_is_refused_on_every_draw():
+    check, counts = find_exercise("ep.router").check, {}
+    for seed in DRAWS:
+        cases = prepared("ep.router", seed)
+        right = [moe.top_k_routing(*case) for case in cases]
+        check.judge(cases, right)
+        count(counts, case_by_case(lambda answers: check.judge(cases, answers), right,
+                                   lambda i: router.choice_slips(*cases[i][:2]), lambda value, ok: (value, ok[1])))
+        count(counts, case_by_case(lambda answers: check.judge(cases, answers), right,
+                                   lambda i: router.gate_slips(*cases[i]), lambda value, ok: (ok[0], value)))
+    assert_every_slip_refused("ep.router", counts)
+
+
+def test_every_slots_and_layer_slip_is_refused_on_every_draw():
+    for exercise_id, right_of, slips_of in (("ep.slots", moe.assign_slots, layer._slot_slips),
+                                            ("ep.moe_layer", moe.moe_layer, layer.layer_slips)):
+        check, counts = find_exercise(exercise_id).check, {}
+        for seed in DRAWS:
+            cases = prepared(exercise_id, seed)
+            right = [right_of(*case) for case in cases]
+            check.judge(cases, right)
+            count(counts, case_by_case(lambda answers: check.judge(cases, answers), right,
+                                       lambda i: slips_of(*cases[i])))
+        assert_every_slip_refused(exercise_id, counts)
+
+
+def test_every_balancing_loss_slip_is_refused_on_every_draw():
+    check, counts = find_exercise("ep.balancing_loss").check, {}
+    for seed in DRAWS:
+        cases = prepared("ep.balancing_loss", seed)
+        right = [dict(zip(("value", "gradient"), losses._loss_oracle(case))) for case in cases]
+        check.judge(cases, right)
+        count(counts, case_by_case(
+            lambda answers: check.judge(cases, answers), right,
+            lambda i: (losses.balancing_slips if cases[i]["indices"] is not None else losses.z_slips)(cases[i]),
+            lambda value, ok: {**ok, "value": value}))
+    assert_every_slip_refused("ep.balancing_loss", counts)
+
+
+def test_every_all_to_all_bytes_slip_is_refused_on_every_draw():
+    check, counts = find_exercise("ep.all_to_all_bytes").check, {}
+    for seed in DRAWS:
+        cases = prepared("ep.all_to_all_bytes", seed)
+        right = {"capacity": [moe.capacity_all_to_all_bytes(*case) for case in cases["capacity"]],
+                 "dropless": [moe.dropless_all_to_all_bytes(*case) for case in cases["dropless"]]}
+        check.judge(cases, right)
+        count(counts, case_by_case(lambda answers: check.judge(cases, {**right, "capacity": answers}), right["capacity"],
+                                   lambda i: all_to_all_bytes.capacity_slips(cases["capacity"][i])))
+        count(counts, case_by_case(lambda answers: check.judge(cases, {**right, "dropless": answers}), right["dropless"],
+                                   lambda i: all_to_all_bytes._dropless_slips(*cases["dropless"][i]),
+                                   lists_are_variants=False))
+    assert_every_slip_refused("ep.all_to_all_bytes", counts)
+
+
+@pytest.mark.parametrize("exercise_id", ["ep.expert_parallel_capacity", "ep.expert_parallel_dropless"])
+def test_every_expert_parallel_output_slip_is_refused_on_every_draw(exercise_id):
+    """The layer's slips, in every rank's output (judged first, as the check does); the exchanges
+    are judged from the recorded all-to-alls of real worlds (test_ep_checks.py)."""
+    counts = {}
+    for seed in DRAWS:
+        refusals = {}
+        for n, cases in prepared(exercise_id, seed):
+            for case in cases:
+                layers = [(case["x"][r], case["router"], case["w_in"], case["w_out"], case["k"], case["capacity"],
+                           case["renormalize"]) for r in range(n)]
+                right = [moe.moe_layer(*layer_) for layer_ in layers]
+                slips = [layer.layer_slips(*layer_) for layer_ in layers]
+                for feedback, variant, _ in variants_of(slips[0]):
+                    outputs = [variants_of({feedback: slips[r][feedback]})[variant][2] for r in range(n)]
+                    refusals[feedback, variant] = refusals.get((feedback, variant), False) or refused_with(
+                        lambda: expert_parallel._judge_outputs(case, [{"output": o} for o in outputs], "world"),
+                        feedback)
+                expert_parallel._judge_outputs(case, [{"output": o} for o in right], "world")
+        count(counts, refusals)
+    assert_every_slip_refused(exercise_id, counts)

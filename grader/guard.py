@@ -28,6 +28,7 @@ import linecache
 import os
 import pkgutil
 import sys
+import tokenize
 import types
 from pathlib import Path
 
@@ -159,13 +160,10 @@ def _showing_a_source_line() -> bool:
     for _ in range(4):
         if frame is None:
             return False
-        if frame.f_code.co_filename in (linecache.__file__, tokenize_file):
+        if frame.f_code.co_filename in (linecache.__file__, tokenize.__file__):
             return True
         frame = frame.f_back
     return False
-
-
-tokenize_file = importlib.import_module("tokenize").__file__
 
 
 # --- the grader's own objects in the sandbox ------------------------------------------------

@@ -20,8 +20,9 @@ def prepared(exercise_id: str, seed: int):
 
 
 def tokens_to_hide_in_another_order(flops, bandwidth, hidden, kv_hidden, dtype_bytes):
-    # algebraically the same as the solution's kv·bytes·F / (2·h·B), rounded differently
-    return math.ceil(flops / bandwidth * kv_hidden * dtype_bytes / (2 * hidden))
+    # the transfer's seconds per token over the compute's: algebraically the solution's kv·bytes·F / (2·h·B),
+    # rounded differently (one above the integer 22500 on 257 of the 23,232 questions the check could draw)
+    return math.ceil((kv_hidden * dtype_bytes / bandwidth) / (2 * hidden / flops))
 
 
 def test_tokens_to_hide_computed_in_another_order_is_right_on_every_draw():

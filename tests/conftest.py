@@ -224,3 +224,21 @@ def refusal_table(exercise_id: str, counts: dict, draws: int) -> str:
     """One line per slip: the exercise, the slip (shortened) and on how many draws it was refused."""
     return "\n".join(f"{exercise_id} | {' / '.join(str(part) for part in (key if isinstance(key, tuple) else (key,)))[:110]}"
                      f" | {count}/{draws}" for key, count in counts.items())
+
+
+def refused_with(judge, feedback: str) -> bool:
+    """Whether `judge()` refuses, with feedback that holds `feedback` (numbers aside)."""
+    from grader.compare import CheckFailed
+
+    try:
+        judge()
+    except CheckFailed as failure:
+        return words(feedback) in words(str(failure))
+    return False
+
+
+def assert_every_slip_refused(exercise_id: str, counts: dict, draws: int = 100) -> None:
+    """Every slip in `counts` (slip -> draws on which it was refused) refused on all `draws`; the
+    table is printed (pytest -s shows it)."""
+    print("\n" + refusal_table(exercise_id, counts, draws))
+    assert counts and all(count == draws for count in counts.values()), refusal_table(exercise_id, counts, draws)

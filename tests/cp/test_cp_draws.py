@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import numbers_slips_refused, refusal_table, words
+from conftest import assert_every_slip_refused, numbers_slips_refused, refused_with
 from grader.checks.cp.harness import attention, contiguous, full_tensors, zigzag
 from grader.checks.cp.ring import oracle
 from grader.checks.cp.slips import backward_without_rowsum, ring_forward_slips, zigzag_slips
@@ -46,19 +46,6 @@ def test_an_integer_answer_one_off_says_so():
 
 
 # --- every named slip refused, and named, on every one of 100 draws ---
-
-def assert_every_slip_refused(exercise_id: str, counts: dict) -> None:
-    print("\n" + refusal_table(exercise_id, counts, len(DRAWS)))
-    assert counts and all(count == len(DRAWS) for count in counts.values()), refusal_table(exercise_id, counts, len(DRAWS))
-
-
-def refused_with(judge, feedback: str) -> bool:
-    try:
-        judge()
-    except CheckFailed as failure:
-        return words(feedback) in words(str(failure))
-    return False
-
 
 @pytest.mark.parametrize("exercise_id", ["cp.costs", "cp.interview"])
 def test_every_formula_slip_is_refused_on_every_draw(exercise_id):

@@ -8,9 +8,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from conftest import numbers_slips_refused, refusal_table, words
+from conftest import assert_every_slip_refused, numbers_slips_refused, refused_with, words
 from dtp.ep import moe, routing
-from grader.checks.ep import all_to_all_bytes, bias_balancing, expert_parallel, layer, losses, node_limited, router, tp_ep
+from grader.checks.ep import all_to_all_bytes, bias_balancing, expert_parallel, losses, node_limited, router, tp_ep
+from grader.checks.ep import layer as layer_checks
 from grader.checks.ep.layer import layer_slips
 from grader.compare import CheckFailed
 from grader.registry import find_exercise
@@ -208,19 +209,6 @@ def test_interview_draws_capacities_that_round_and_floor_get_wrong():
 DRAWS = range(100)
 
 
-def assert_every_slip_refused(exercise_id: str, counts: dict) -> None:
-    print("\n" + refusal_table(exercise_id, counts, len(DRAWS)))
-    assert counts and all(count == len(DRAWS) for count in counts.values()), refusal_table(exercise_id, counts, len(DRAWS))
-
-
-def refused_with(judge, feedback: str) -> bool:
-    try:
-        judge()
-    except CheckFailed as failure:
-        return words(feedback) in words(str(failure))
-    return False
-
-
 def variants_of(slips: dict) -> list[tuple[str, int, object]]:
     """(feedback, variant, value) for a slip table whose values may be lists of variants."""
     return [(feedback, i, value) for feedback, values in slips.items()
@@ -373,8 +361,8 @@ def test_every_router_slip_is_refused_on_every_draw():
 
 
 def test_every_slots_and_layer_slip_is_refused_on_every_draw():
-    for exercise_id, right_of, slips_of in (("ep.slots", moe.assign_slots, layer._slot_slips),
-                                            ("ep.moe_layer", moe.moe_layer, layer.layer_slips)):
+    for exercise_id, right_of, slips_of in (("ep.slots", moe.assign_slots, layer_checks._slot_slips),
+                                            ("ep.moe_layer", moe.moe_layer, layer_checks.layer_slips)):
         check, counts = find_exercise(exercise_id).check, {}
         for seed in DRAWS:
             cases = prepared(exercise_id, seed)
@@ -425,7 +413,7 @@ def test_every_expert_parallel_output_slip_is_refused_on_every_draw(exercise_id)
                 layers = [(case["x"][r], case["router"], case["w_in"], case["w_out"], case["k"], case["capacity"],
                            case["renormalize"]) for r in range(n)]
                 right = [moe.moe_layer(*layer_) for layer_ in layers]
-                slips = [layer.layer_slips(*layer_) for layer_ in layers]
+                slips = [layer_checks.layer_slips(*layer_) for layer_ in layers]
                 for feedback, variant, _ in variants_of(slips[0]):
                     outputs = [variants_of({feedback: slips[r][feedback]})[variant][2] for r in range(n)]
                     refusals[feedback, variant] = refusals.get((feedback, variant), False) or refused_with(

@@ -6,13 +6,12 @@ each slip for real)."""
 import numpy as np
 import pytest
 
-from conftest import numbers_slips_refused, refusal_table, words
+from conftest import assert_every_slip_refused, numbers_slips_refused, refused_with
 from dtp.zero.formulas import FP32_ITEMSIZE as FP32_BYTES
 from dtp.zero.formulas import shard_numel
 from grader.checks.overlap.buckets import BucketJudge, products_by_layer
 from grader.checks.overlap.collective_matmul import FP32, RingJudge
 from grader.checks.overlap.zero3 import PrefetchJudge
-from grader.compare import CheckFailed
 from grader.registry import find_exercise
 
 DRAWS = range(100)
@@ -22,17 +21,24 @@ def prepared(exercise_id: str, seed: int):
     return find_exercise(exercise_id).check.prepare(np.random.default_rng(seed))
 
 
-def assert_every_slip_refused(exercise_id: str, counts: dict) -> None:
-    print("\n" + refusal_table(exercise_id, counts, len(DRAWS)))
-    assert counts and all(count == len(DRAWS) for count in counts.values()), refusal_table(exercise_id, counts, len(DRAWS))
-
-
-def refused_with(judge, feedback: str) -> bool:
-    try:
-        judge()
-    except CheckFailed as failure:
-        return words(feedback) in words(str(failure))
-    return False
+def world_slips_refused(exercise_id: str, make_judge, per_rank_of, slips: dict) -> dict:
+    """slip -> on how many draws the check's judge of some world refused, naming it (`slips`: slip ->
+    its feedback), what every rank committing the slip records (`per_rank_of(judge, slip)`); the
+    right ranks (slip None) pass."""
+    counts = dict.fromkeys(slips, 0)
+    for seed in DRAWS:
+        judges = [make_judge(world) for world in prepared(exercise_id, seed)]
+        for slip in [None, *slips]:
+            refusals = []
+            for judge in judges:
+                judge.per_rank = per_rank_of(judge, slip)
+                if slip is None:
+                    judge.judge()
+                else:
+                    refusals.append(refused_with(judge.judge, slips[slip]))
+            if slip is not None:
+                counts[slip] += any(refusals)
+    return counts
 
 
 @pytest.mark.parametrize("exercise_id", ["overlap.exposure_model", "overlap.interview"])
@@ -77,22 +83,14 @@ BUCKET_SLIPS = {"waits in the hook": "waited on bucket 0's all-reduce during bac
 
 
 def test_every_bucket_slip_is_refused_on_every_draw():
-    counts = dict.fromkeys(BUCKET_SLIPS, 0)
-    for seed in DRAWS:
-        judges = []
-        for n, sizes, world_seed, batch_seed, split in prepared("overlap.bucket_overlap", seed):
-            judge = BucketJudge(n, sizes, world_seed, batch_seed, split, [])
-            grads = judge.reference  # full_batch_gradients: the average over ranks
-            judge.per_rank = [{"events": bucket_events(judge, None), "grads": grads} for _ in range(n)]
-            judge.judge()  # the right rank passes
-            judges.append((judge, grads))
-        for slip, feedback in BUCKET_SLIPS.items():
-            outcomes = []
-            for judge, grads in judges:
-                judge.per_rank = [{"events": bucket_events(judge, slip), "grads": grads} for _ in range(judge.n)]
-                outcomes.append(refused_with(judge.judge, feedback))
-            counts[slip] += any(outcomes)
-    assert_every_slip_refused("overlap.bucket_overlap", counts)
+    def right_judge(world):
+        judge = BucketJudge(*world, [])
+        judge.grads = judge.reference  # full_batch_gradients: the average over ranks, every rank's right answer
+        return judge
+
+    assert_every_slip_refused("overlap.bucket_overlap", world_slips_refused(
+        "overlap.bucket_overlap", right_judge,
+        lambda judge, slip: [{"events": bucket_events(judge, slip), "grads": judge.grads}] * judge.n, BUCKET_SLIPS))
 
 
 # --- collective matmul: each rank's sends, receives, waits and products ---
@@ -134,22 +132,10 @@ RING_SLIPS = {"waits before the product": "sat idle", "all-gather": "called all_
 
 
 def test_every_collective_matmul_slip_is_refused_on_every_draw():
-    counts = dict.fromkeys(RING_SLIPS, 0)
-    for seed in DRAWS:
-        worlds = prepared("overlap.collective_matmul", seed)
-        for slip in [None, *RING_SLIPS]:
-            outcomes = []
-            for t, rows, hidden, columns, world_seed in worlds:
-                judge = RingJudge(t, rows, hidden, columns, world_seed, [])
-                judge.per_rank = [{"events": ring_events(judge, rank, slip), "out": ring_output(judge, rank, slip)}
-                                  for rank in range(t)]
-                if slip is None:
-                    judge.judge()  # the right ranks pass
-                else:
-                    outcomes.append(refused_with(judge.judge, RING_SLIPS[slip]))
-            if slip is not None:
-                counts[slip] += any(outcomes)
-    assert_every_slip_refused("overlap.collective_matmul", counts)
+    assert_every_slip_refused("overlap.collective_matmul", world_slips_refused(
+        "overlap.collective_matmul", lambda world: RingJudge(*world, []),
+        lambda judge, slip: [{"events": ring_events(judge, rank, slip), "out": ring_output(judge, rank, slip)}
+                             for rank in range(judge.t)], RING_SLIPS))
 
 
 # --- ZeRO-3 with prefetch: each step's gathers, waits, products and reduce-scatters ---
@@ -222,18 +208,6 @@ ZERO3_SLIPS = {"waits right after issuing": "nothing overlapped",
 
 
 def test_every_zero3_prefetch_slip_is_refused_on_every_draw():
-    counts = dict.fromkeys(ZERO3_SLIPS, 0)
-    for seed in DRAWS:
-        worlds = prepared("overlap.zero3_prefetch", seed)
-        judges = [PrefetchJudge(*world, []) for world in worlds]
-        for slip in [None, *ZERO3_SLIPS]:
-            outcomes = []
-            for judge in judges:
-                judge.per_rank = [zero3_outcome(judge, rank, slip) for rank in range(judge.n)]
-                if slip is None:
-                    judge.judge()  # the right ranks pass
-                else:
-                    outcomes.append(refused_with(judge.judge, ZERO3_SLIPS[slip]))
-            if slip is not None:
-                counts[slip] += any(outcomes)
-    assert_every_slip_refused("overlap.zero3_prefetch", counts)
+    assert_every_slip_refused("overlap.zero3_prefetch", world_slips_refused(
+        "overlap.zero3_prefetch", lambda world: PrefetchJudge(*world, []),
+        lambda judge, slip: [zero3_outcome(judge, rank, slip) for rank in range(judge.n)], ZERO3_SLIPS))

@@ -37,6 +37,34 @@ def world_failure(world) -> tuple[str, str]:
     return ("timeout" if world.kind in ("collective_timeout", "timeout") else "error"), str(world)
 
 
+def distinct(actual, expected, least: int = 6) -> tuple[str, str]:
+    """The two numbers as text, each in the shortest form (at least `least` significant digits)
+    that tells them apart: 1.13202e+10 and 1.13202e+10 hide a difference that 11320210000 and
+    11320200000 show. Whole numbers print as integers."""
+    actual, expected = float(actual), float(expected)
+    if all(x.is_integer() and abs(x) < 1e16 for x in (actual, expected)):
+        return str(int(actual)), str(int(expected))
+    for digits in range(least, 18):
+        shown = f"{actual:.{digits}g}", f"{expected:.{digits}g}"
+        if shown[0] != shown[1]:
+            return shown
+    return repr(actual), repr(expected)
+
+
+def _relation(actual: float, expected: float) -> str:
+    """How a wrong number relates to the right one, in words that show the difference: a ratio
+    where it is far from 1, the difference where a ratio would print as 1x."""
+    if not expected:
+        return "the answer is 0"
+    difference = actual - expected
+    if float(actual).is_integer() and float(expected).is_integer() and abs(difference) < 1e6:
+        return f"yours is {abs(int(difference))} {'more' if difference > 0 else 'less'} than the answer"
+    ratio = actual / expected
+    if abs(ratio - 1) >= 1e-3:
+        return f"yours is {ratio:.4g}x the answer"
+    return f"yours is {abs(difference) / abs(expected):.2g} of the answer too {'high' if difference > 0 else 'low'}"
+
+
 def expect(condition: bool, feedback: str) -> None:
     if not condition:
         raise CheckFailed(feedback)
@@ -66,9 +94,9 @@ def expect_close(actual, expected, what: str, *, rtol: float = 1e-5, atol: float
     if not np.allclose(actual_np, expected_np, rtol=rtol, atol=atol):
         error = np.abs(actual_np.astype(np.float64) - expected_np.astype(np.float64))
         worst = np.unravel_index(np.argmax(error), error.shape) if error.ndim else ()
-        raise CheckFailed(
-            f"{what} differs from the reference: at index {tuple(int(i) for i in worst)} it is "
-            f"{actual_np[worst]:.6g} instead of {expected_np[worst]:.6g} (max abs error {error.max():.3g})")
+        mine, right = distinct(actual_np[worst], expected_np[worst])
+        raise CheckFailed(f"{what} differs from the reference: at index {tuple(int(i) for i in worst)} it is {mine} "
+                          f"instead of {right} (max abs error {error.max():.3g})")
 
 
 def expect_number(actual, expected: float, what: str, *, rel: float = 1e-6) -> None:
@@ -79,8 +107,8 @@ def expect_number(actual, expected: float, what: str, *, rel: float = 1e-6) -> N
     if not np.isfinite(actual):
         raise CheckFailed(f"{what} is {actual}, not a finite number")
     if not np.isclose(actual, expected, rtol=rel, atol=0.0):
-        ratio = actual / expected if expected else float("inf")
-        raise CheckFailed(f"{what} is {actual:.6g}, expected {expected:.6g} (yours is {ratio:.4g}x the answer)")
+        mine, right = distinct(actual, expected)
+        raise CheckFailed(f"{what} is {mine}, expected {right} ({_relation(actual, expected)})")
 
 
 def _is_number(value) -> bool:
@@ -102,9 +130,10 @@ def expect_answer(actual, expected: float, what: str, *, rel: float = 1e-6, slip
     if np.isclose(actual, expected, rtol=rel, atol=0.0):
         return
     matching = [feedback for feedback, value in (slips or {}).items() if np.isclose(actual, value, rtol=rel, atol=0.0)]
+    mine, right = distinct(actual, expected)
     if len(matching) == 1:
-        raise CheckFailed(f"{what} is {actual:.6g}, expected {expected:.6g}: {matching[0]}")
+        raise CheckFailed(f"{what} is {mine}, expected {right}: {matching[0]}")
     if matching:  # slips that coincide for these inputs (at p = 2, p - 2 vanishes): any may be yours
-        raise CheckFailed(f"{what} is {actual:.6g}, expected {expected:.6g}; for these inputs more than one mistake gives "
+        raise CheckFailed(f"{what} is {mine}, expected {right}; for these inputs more than one mistake gives "
                           "that value: " + "; or ".join(matching))
     expect_number(actual, expected, what, rel=rel)

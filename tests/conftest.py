@@ -172,3 +172,73 @@ def live_processes_with_marker(marker: str) -> list[int]:
 @pytest.fixture
 def tmp_notebook(tmp_path):
     return lambda chapter, replacements, extra_cells=(): notebook_variant(tmp_path, chapter, replacements, extra_cells)
+
+
+def numbers_slips_refused(exercise_id: str, draws: int = 100) -> dict[tuple[str, str], int]:
+    """For a check of functions of numbers (`InterviewQuestions`, `FormulaCheck`, or any check with
+    their `expected`/`slips` by function name): (function, slip) -> on how many of `draws`
+    gradings (seeds 0, 1, ...) the answer that commits that slip wherever it is defined, every
+    other answer right, is refused with that slip named. Judged in-process by the check's judge. A
+    slip's feedback may quote the case's numbers ("top_k = 4"): slips are told apart by their words."""
+    import numpy as np
+
+    from grader.checks.common import FormulaCheck
+    from grader.compare import CheckFailed
+    from grader.registry import find_exercise
+
+    check = find_exercise(exercise_id).check
+    formula = isinstance(check, FormulaCheck)
+    counts: dict[tuple[str, str], int] = {}
+    for seed in range(draws):
+        inputs = check.prepare(np.random.default_rng(seed))
+        calls = {check.function: list(inputs)} if formula else {name: [(args, {}) for args in cases]
+                                                               for name, cases in inputs.items()}
+
+        def expected(name, args, kwargs):
+            return check.expected(*args, **kwargs) if formula else check.expected(name, *args)
+
+        def slips(name, args, kwargs):  # words of the feedback -> the value
+            found = check.slips(*args, **kwargs) if formula else check.slips(name, *args)
+            return {words(feedback): value for feedback, value in found.items()}
+
+        right = {name: [expected(name, *call) for call in cases] for name, cases in calls.items()}
+        named = {(name, feedback) for name, cases in calls.items() for call in cases for feedback in slips(name, *call)}
+        for name, feedback in sorted(named):
+            counts.setdefault((name, feedback), 0)
+            answers = {**right, name: [slips(name, *call).get(feedback, value) for call, value in zip(calls[name], right[name])]}
+            try:
+                check.judge(inputs, answers[check.function] if formula else answers)
+            except CheckFailed as failure:
+                counts[name, feedback] += feedback in words(str(failure))
+    return counts
+
+
+def words(text: str) -> str:
+    """A feedback text with its numbers left out."""
+    import re
+
+    return re.sub(r"[-+]?\d[\d.,e+-]*", "#", text)
+
+
+def refusal_table(exercise_id: str, counts: dict, draws: int) -> str:
+    """One line per slip: the exercise, the slip (shortened) and on how many draws it was refused."""
+    return "\n".join(f"{exercise_id} | {' / '.join(str(part) for part in (key if isinstance(key, tuple) else (key,)))[:110]}"
+                     f" | {count}/{draws}" for key, count in counts.items())
+
+
+def refused_with(judge, feedback: str) -> bool:
+    """Whether `judge()` refuses, with feedback that holds `feedback` (numbers aside)."""
+    from grader.compare import CheckFailed
+
+    try:
+        judge()
+    except CheckFailed as failure:
+        return words(feedback) in words(str(failure))
+    return False
+
+
+def assert_every_slip_refused(exercise_id: str, counts: dict, draws: int = 100) -> None:
+    """Every slip in `counts` (slip -> draws on which it was refused) refused on all `draws`; the
+    table is printed (pytest -s shows it)."""
+    print("\n" + refusal_table(exercise_id, counts, draws))
+    assert counts and all(count == draws for count in counts.values()), refusal_table(exercise_id, counts, draws)

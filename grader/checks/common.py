@@ -82,6 +82,14 @@ def events_as_data(log, payloads: bool = False) -> list[dict]:
     return events
 
 
+def clear_of_integers(value: float, rel: float = 1e-9) -> bool:
+    """Whether `value` lies farther than `rel` of itself from every integer. An answer that rounds a
+    quotient up or down (the fewest tokens, GPUs or chunks) is drawn only where this holds: where
+    the exact quotient is an integer, float arithmetic in another (algebraically equal) order lands
+    just above or below it, and a right answer comes out one off."""
+    return abs(value - round(value)) > rel * abs(value)
+
+
 def describe_call(function: str, args: tuple, kwargs: dict) -> str:
     def show(value):
         return f"{value:.4g}" if isinstance(value, float) else repr(value)

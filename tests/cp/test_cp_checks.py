@@ -4,6 +4,8 @@ values, a ring that keeps every block it used, the causal mask forgotten between
 all-gather where a ring or an all-to-all is asked for), and accepts correct answers written
 differently from the course's (isend/irecv instead of batch_isend_irecv)."""
 
+import pytest
+
 from conftest import assert_fails, changed, graded, solution_cell
 
 SOFTMAX_CELL = solution_cell("cp", "online_softmax_attention")
@@ -39,6 +41,42 @@ def test_online_softmax_rejects_storing_the_blocks_and_computing_at_the_end(tmp_
     assert graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": stored}).status == "failed"
 
 
+def test_online_softmax_rejects_copying_every_block_then_one_softmax(tmp_notebook):
+    """Copies of the blocks are what the reused buffer cannot catch: the memory kept as the blocks
+    arrive can (the issue's 'copy every block, then one softmax over all of them' scored 3/3)."""
+    copied = changed(SOFTMAX_CELL, ("    for k_block, v_block in blocks:",
+                                    "    for k_block, v_block in [(k.copy(), v.copy()) for k, v in blocks]:"))
+    assert_fails(graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": copied}),
+                 "keeps the blocks it has read")
+    one_softmax = '''def online_softmax_attention(q, blocks, causal=False):
+    keys, values = zip(*[(np.array(k_block), np.array(v_block)) for k_block, v_block in blocks])
+    k, v = np.concatenate(keys), np.concatenate(values)
+    scores = q @ k.T / math.sqrt(q.shape[1])
+    if causal:
+        scores = np.where(np.tril(np.ones(scores.shape, dtype=bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+    return weights / weights.sum(axis=1, keepdims=True) @ v
+'''
+    assert_fails(graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": one_softmax}),
+                 "keeps the blocks it has read")
+
+
+def test_online_softmax_names_a_causal_mask_that_hides_the_querys_own_key(tmp_notebook):
+    strict = changed(SOFTMAX_CELL, ("keys[None, :] <= np.arange(tokens)[:, None]", "keys[None, :] < np.arange(tokens)[:, None]"))
+    assert_fails(graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": strict}),
+                 "masks each query's own key")
+
+
+@pytest.mark.parametrize("old, new, feedback", [
+    ("out = out * rescale[:, None] + weights", "out = out + weights", "rescales the running sum but not the running output"),
+    ("running_sum = running_sum * rescale + weights", "running_sum = running_sum + weights",
+     "rescales the running output but not the running sum"),
+], ids=["output-not-rescaled", "sum-not-rescaled"])
+def test_online_softmax_names_half_a_rescale(tmp_notebook, old, new, feedback):
+    assert_fails(graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": changed(SOFTMAX_CELL, (old, new))}),
+                 feedback)
+
+
 # --- exercise 2: ring attention forward ---
 
 def test_ring_rejects_sending_keys_but_not_values(tmp_notebook):
@@ -53,6 +91,20 @@ def test_ring_names_the_causal_mask_forgotten_between_blocks(tmp_notebook):
                          ("*block_attention(qc, kc, vc, qp, kp, causal)", "*block_attention(qc, kc, vc, qp, kp, causal and source == rank)"))
     assert_fails(graded(tmp_notebook, "cp.ring_forward", {"ring_attention": local_mask}),
                  "causal mask applied only inside the rank's own block")
+
+
+def test_ring_names_a_causal_mask_on_positions_within_each_block(tmp_notebook):
+    local = changed(RING_CELL, ("    positions = list(torch.arange(block * c).chunk(c))\n    return ring_pass(",
+                                "    positions = [torch.arange(block)] * c  # positions within the block\n    return ring_pass("))
+    assert_fails(graded(tmp_notebook, "cp.ring_forward", {"ring_attention": local}), "positions within each block")
+
+
+def test_ring_names_blocks_labelled_with_the_rank_on_the_other_side(tmp_notebook):
+    """The block held at step i came from rank r - i; labelled r + i, the causal mask and the skip
+    are those of another block. It was told it received a block too early."""
+    mislabelled = changed(RING_CELL, ("        source = (rank - step) % c\n", "        source = (rank + step) % c\n"))
+    assert_fails(graded(tmp_notebook, "cp.ring_forward", {"ring_attention": mislabelled}),
+                 "as if it came from the wrong rank")
 
 
 def test_ring_rejects_an_all_gather_of_k_and_v(tmp_notebook):
@@ -123,6 +175,12 @@ def test_ring_backward_rejects_gradients_that_never_come_home(tmp_notebook):
     assert graded(tmp_notebook, "cp.ring_backward", {"ring_attention_backward": short}).status == "failed"
 
 
+def test_ring_backward_names_the_missing_rowsum_term(tmp_notebook):
+    without = changed(BACKWARD_CELL, ("ds = p * (dout @ kv[1].transpose(-1, -2) - delta)", "ds = p * (dout @ kv[1].transpose(-1, -2))"))
+    assert_fails(graded(tmp_notebook, "cp.ring_backward", {"ring_attention_backward": without}),
+                 "subtracts each query's rowsum(dO ⊙ O)")
+
+
 # --- exercise 4: zigzag ---
 
 def test_zigzag_names_swapped_chunks(tmp_notebook):
@@ -130,6 +188,20 @@ def test_zigzag_names_swapped_chunks(tmp_notebook):
                                     "    out = ring_pass(q, k, v, positions, True, pieces=2)[0]\n"
                                     "    return torch.cat([out[:, chunk:], out[:, :chunk]], dim=1)"))
     assert_fails(graded(tmp_notebook, "cp.zigzag", {"zigzag_ring_attention": swapped}), "two chunks swapped")
+
+
+def test_zigzag_names_a_second_chunk_one_early(tmp_notebook):
+    off = changed(ZIGZAG_CELL, ("    positions = [torch.cat([chunks[r], chunks[2 * c - 1 - r]]) for r in range(c)]",
+                                "    positions = [torch.cat([chunks[r], chunks[2 * c - 2 - r]]) for r in range(c)]"))
+    assert_fails(graded(tmp_notebook, "cp.zigzag", {"zigzag_ring_attention": off}), "second chunk taken as chunk 2c - 2 - r")
+
+
+def test_zigzag_accepts_second_chunks_labelled_one_late(tmp_notebook):
+    """Positions shifted together keep their order, and a causal mask sees only order: right."""
+    late = changed(ZIGZAG_CELL, ("    positions = [torch.cat([chunks[r], chunks[2 * c - 1 - r]]) for r in range(c)]",
+                                 "    positions = [torch.cat([chunks[r], torch.arange((2 * c - r) * chunk, (2 * c - r + 1) * chunk)])"
+                                 " for r in range(c)]"))
+    assert graded(tmp_notebook, "cp.zigzag", {"zigzag_ring_attention": late}).status == "passed"
 
 
 def test_zigzag_rejects_whole_masked_blocks(tmp_notebook):
@@ -149,6 +221,12 @@ def test_ulysses_rejects_an_all_gather(tmp_notebook):
     return out[:, rank * q.shape[1]:(rank + 1) * q.shape[1]]
 '''
     assert_fails(graded(tmp_notebook, "cp.ulysses", {"ulysses_attention": gathered}), "called all_gather")
+
+
+def test_ulysses_names_attention_without_the_causal_flag(tmp_notebook):
+    unmasked = changed(ULYSSES_CELL, ("local = reference_attention(full[0], full[1], full[2], causal)",
+                                      "local = reference_attention(full[0], full[1], full[2])"))
+    assert_fails(graded(tmp_notebook, "cp.ulysses", {"ulysses_attention": unmasked}), "without the causal mask")
 
 
 def test_ulysses_accepts_all_to_all_single(tmp_notebook):
@@ -208,3 +286,60 @@ def test_ring_backward_rejects_gradients_sent_straight_to_their_owner(tmp_notebo
         "    return dq, total[0], total[1]"))
     assert_fails(graded(tmp_notebook, "cp.ring_backward", {"ring_attention_backward": direct}),
                  "dK/dV accumulator on in c = 2 steps")
+
+
+# --- every exercise refuses what the library holds that solves any part of it ---
+
+SOFTMAX_FROM_PLAIN_ATTENTION = '''def online_softmax_attention(q, blocks, causal=False):
+    from dtp.cp.context_parallel import attention_numpy
+    keys, values = zip(*[(np.array(k_block), np.array(v_block)) for k_block, v_block in blocks])
+    return attention_numpy(q, np.concatenate(keys), np.concatenate(values), causal)
+'''
+
+
+def test_online_softmax_refuses_the_librarys_plain_attention(tmp_notebook):
+    assert_fails(graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": SOFTMAX_FROM_PLAIN_ATTENTION}),
+                 "calls the course's reference dtp.cp.context_parallel.attention_numpy")
+
+
+def test_ring_forward_refuses_the_per_block_math_of_the_library(tmp_notebook):
+    borrowed = changed(RING_CELL, ("def ring_pass(", "import dtp.cp.context_parallel as library\n\n\ndef ring_pass("),
+                       ("merge(outs[i], lses[i], *block_attention(qc, kc, vc, qp, kp, causal))",
+                        "library.merge(outs[i], lses[i], *library.masked_block(qc, kc, vc, qp, kp, causal))"))
+    assert_fails(graded(tmp_notebook, "cp.ring_forward", {"ring_attention": borrowed}),
+                 ("calls the course's reference dtp.cp.context_parallel.masked_block",
+                  "calls the course's reference dtp.cp.context_parallel.merge"))
+
+
+def test_the_learners_own_helpers_named_like_the_librarys_are_theirs(tmp_notebook):
+    """The guard refuses the library's function objects, not names: a notebook's own `masked_block`
+    and `merge` (the solution's is already called merge), or `attention_numpy`, run."""
+    own = changed(RING_CELL, ("def block_attention(", "def masked_block("),
+                  ("*block_attention(qc, kc, vc, qp, kp, causal)", "*masked_block(qc, kc, vc, qp, kp, causal)"))
+    assert graded(tmp_notebook, "cp.ring_forward", {"ring_attention": own}).status == "passed"
+    softmax_with_own_helper = '''def combine(out, lse, block_out, block_lse):  # numpy, of the learner's own
+    total = np.logaddexp(lse, block_lse)
+    safe = np.where(np.isfinite(total), total, 0.0)
+    return (out * np.exp(lse - safe)[:, None] + block_out * np.exp(block_lse - safe)[:, None]), total
+
+
+def attention_numpy(q, k, v, causal, start):  # one block's (output, log-sum-exp), the learner's own
+    scores = q @ k.T / math.sqrt(q.shape[1])
+    if causal:
+        scores = np.where(np.arange(start, start + len(k))[None, :] <= np.arange(len(q))[:, None], scores, -np.inf)
+    top = scores.max(axis=1)
+    shift = np.where(np.isfinite(top), top, 0.0)
+    weights = np.exp(scores - shift[:, None])
+    total = weights.sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.nan_to_num(weights @ v / total[:, None]), np.log(total) + shift
+
+
+def online_softmax_attention(q, blocks, causal=False):
+    out, lse, start = np.zeros(q.shape), np.full(len(q), -np.inf), 0
+    for k_block, v_block in blocks:
+        out, lse = combine(out, lse, *attention_numpy(q, k_block, v_block, causal, start))
+        start += len(k_block)
+    return out
+'''
+    assert graded(tmp_notebook, "cp.online_softmax", {"online_softmax_attention": softmax_with_own_helper}).status == "passed"

@@ -3,7 +3,7 @@ reject plausible wrong answers with feedback that names the mistake, and accept 
 written differently from the course's."""
 import pytest
 
-from conftest import assert_verdict, graded
+from conftest import assert_fails, assert_verdict, graded
 
 
 def variants(exercise_id: str, cases: list, ids: list) -> list:
@@ -73,6 +73,23 @@ def test_bias_balancing_accepts_a_torch_router_and_a_loop(tmp_notebook):
     assert graded(tmp_notebook, "ep.bias_balancing", {"biased_router": BIAS_IN_TORCH}).status == "passed"
 
 
+def test_bias_update_refuses_a_load_count_without_a_fixed_length(tmp_notebook):
+    """np.bincount without minlength is short when the last experts got no token: no draw left an
+    expert idle, so it scored full marks; every grading now has idle experts, the last among them."""
+    short = BIAS_TEMPLATE.format(**BIAS_RIGHT).replace("np.bincount(expert_indices.reshape(-1), minlength=len(bias))",
+                                                       "np.bincount(expert_indices.reshape(-1))")
+    assert_fails(graded(tmp_notebook, "ep.bias_balancing", {"biased_router": short}), "received no token")
+
+
+def test_bias_update_names_idle_experts_left_out_of_the_count(tmp_notebook):
+    counted = BIAS_TEMPLATE.format(**BIAS_RIGHT).replace(
+        "    loads = np.bincount(expert_indices.reshape(-1), minlength=len(bias))\n    return bias + rate * np.sign(loads.mean() - loads)",
+        "    chosen, loads = np.unique(expert_indices, return_counts=True)\n    new = bias.copy()\n"
+        "    new[chosen] += rate * np.sign(loads.mean() - loads)\n    return new")
+    assert "np.unique" in counted
+    assert_fails(graded(tmp_notebook, "ep.bias_balancing", {"biased_router": counted}), "its bias rises by the rate too")
+
+
 # --- exercise 8: shared and fine-grained experts ---
 
 SHARED_TEMPLATE = '''
@@ -99,8 +116,10 @@ SHARED_VARIANTS = variants("ep.shared_experts", [
     (dict(ACTIVE="(k + shared) * 2 * hidden * expert_hidden + hidden * routed"), "three h×f matrices"),
     (dict(FLOPS="moe_active_parameters(hidden, expert_hidden, routed, shared, k)"), "a multiply-add is 2 FLOPs"),
     (dict(FLOPS="2 * moe_total_parameters(hidden, expert_hidden, routed, shared, k)"), "counts every expert's FLOPs"),
+    (dict(TOTAL="routed * (1 + shared) * 3 * hidden * expert_hidden + hidden * routed"), "once per routed expert"),
+    (dict(ACTIVE="k * (1 + shared) * 3 * hidden * expert_hidden + hidden * routed"), "once per routed expert"),
 ], ids=["template-is-right", "shared-in-router", "shared-left-out-of-active", "two-matrices", "flops-not-doubled",
-        "flops-of-all-experts"])
+        "flops-of-all-experts", "total-shared-per-routed-expert", "active-shared-per-routed-expert"])
 
 
 def test_shared_experts_refuses_numbers_copied_from_the_page(tmp_notebook):
@@ -144,6 +163,7 @@ NODE_VARIANTS = variants("ep.node_limited", [
     (dict(), None),
     (dict(MASKED="probabilities"), "the node limit is ignored"),
     (dict(NODE_SCORE="by_node[:, :, -1]"), "scored by their single best expert"),
+    (dict(NODE_SCORE="by_node.sum(axis=2)"), "sum of all their experts' probabilities"),
     (dict(CROSSING="int(np.sum(expert_indices // experts_per_node != source_node))"), "one copy per expert"),
     (dict(CROSSING="sum(len(set((row // experts_per_node).tolist())) for row in expert_indices)"),
      "own node is reached without crossing"),
@@ -153,8 +173,8 @@ NODE_VARIANTS = variants("ep.node_limited", [
     (dict(NODE_SCORE="np.where(np.argsort(np.argsort(-probabilities, axis=1, kind='stable'), axis=1) < k, "
                      "probabilities, 0.0).reshape(tokens, -1, experts_per_node).sum(axis=2)"),
      "the limit is applied after the top-k"),
-], ids=["template-is-right", "limit-ignored", "node-by-best-expert", "copy-per-expert", "own-node-counted",
-        "bound-per-expert", "limit-after-top-k"])
+], ids=["template-is-right", "limit-ignored", "node-by-best-expert", "node-by-all-experts", "copy-per-expert",
+        "own-node-counted", "bound-per-expert", "limit-after-top-k"])
 
 
 
@@ -197,6 +217,14 @@ TP_EP_VARIANTS = variants("ep.tp_ep", [
     (dict(TOKENS="x_sequence"), "every TP rank dispatched the whole sequence"),
     (dict(FORMULA_TOKENS="seq_tokens"), "only its s/t tokens, so its capacity"),
 ], ids=["list-all-to-all-is-right", "whole-sequence-from-every-tp-rank", "formula-without-sp"])
+
+
+def test_tp_ep_names_the_whole_sequence_dispatched_and_the_ranks_rows_kept(tmp_notebook):
+    """Every TP rank routes all s tokens and returns only its rows: the output has the right shape,
+    and its values (other tokens dropped) were told only how far off they were."""
+    whole = TP_EP_TEMPLATE.format(**{**TP_EP_RIGHT, "TOKENS": "x_sequence"}).replace(
+        "gates * torch.cat(returned)[rows])", "gates * torch.cat(returned)[rows]).chunk(tp)[tp_rank]")
+    assert_fails(graded(tmp_notebook, "ep.tp_ep", {"tp_ep_moe": whole}), "kept its own rows of the output")
 
 
 # --- every exercise's template, with the changes above ---

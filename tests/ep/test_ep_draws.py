@@ -8,8 +8,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from dtp.ep import moe
-from grader.checks.ep import expert_parallel
+from conftest import assert_every_slip_refused, numbers_slips_refused, refused_with, words
+from dtp.ep import moe, routing
+from grader.checks.ep import all_to_all_bytes, bias_balancing, expert_parallel, losses, node_limited, router, tp_ep
+from grader.checks.ep import layer as layer_checks
 from grader.checks.ep.layer import layer_slips
 from grader.compare import CheckFailed
 from grader.registry import find_exercise
@@ -200,3 +202,223 @@ def test_interview_draws_capacities_that_round_and_floor_get_wrong():
         for tokens, experts, k, factor in questions[1:]:
             right = moe.expert_capacity(tokens, experts, k, factor)
             assert round(factor * tokens * k / experts) != right and int(factor * tokens * k / experts) != right
+
+
+# --- every named slip of the chapter's newer checks refused, and named, on every one of 100 draws ---
+
+DRAWS = range(100)
+
+
+def variants_of(slips: dict) -> list[tuple[str, int, object]]:
+    """(feedback, variant, value) for a slip table whose values may be lists of variants."""
+    return [(feedback, i, value) for feedback, values in slips.items()
+            for i, value in enumerate(values if isinstance(values, list) else [values])]
+
+
+def count(counts: dict, refusals: dict) -> None:
+    for key, refused in refusals.items():
+        counts[key] = counts.get(key, 0) + refused
+
+
+@pytest.mark.parametrize("exercise_id", ["ep.shared_experts", "ep.interview", "ep.capacity"])
+def test_every_formula_slip_is_refused_on_every_draw(exercise_id):
+    assert_every_slip_refused(exercise_id, numbers_slips_refused(exercise_id, len(DRAWS)))
+
+
+def bias_answers(inputs) -> dict:
+    return {"routed": [routing.biased_top_k_routing(c["logits"], c["bias"], c["k"], c["renormalize"])
+                       for c in inputs["routings"]],
+            "updated": [routing.update_choice_bias(c["bias"], c["indices"], c["rate"]) for c in inputs["updates"]]}
+
+
+class UpdateStudent:
+    """update_bias with a load count of no fixed length (np.bincount without minlength)."""
+
+    @staticmethod
+    def update_bias(bias, expert_indices, rate):
+        loads = np.bincount(expert_indices.reshape(-1))
+        return bias + rate * np.sign(loads.mean() - loads)
+
+
+def test_every_bias_balancing_slip_is_refused_on_every_draw():
+    check = find_exercise("ep.bias_balancing").check
+    counts = {}
+    for seed in DRAWS:
+        inputs = prepared("ep.bias_balancing", seed)
+        right = bias_answers(inputs)
+        check.judge(inputs, right)
+        refusals = {}
+        for index, case in enumerate(inputs["routings"]):
+            indices, weights = right["routed"][index]
+            for feedback, variant, value in variants_of(bias_balancing.choice_slips(case)):
+                routed = [*right["routed"][:index], (value, weights), *right["routed"][index + 1:]]
+                refusals[feedback, variant] = refusals.get((feedback, variant), False) or refused_with(
+                    lambda: check.judge(inputs, {**right, "routed": routed}), feedback)
+            for feedback, variant, value in variants_of(bias_balancing.gate_slips(case)):
+                routed = [*right["routed"][:index], (indices, value), *right["routed"][index + 1:]]
+                refusals[feedback, variant] = refusals.get((feedback, variant), False) or refused_with(
+                    lambda: check.judge(inputs, {**right, "routed": routed}), feedback)
+        for index, case in enumerate(inputs["updates"]):
+            for feedback, variant, value in variants_of(bias_balancing.update_slips(case)):
+                updated = [*right["updated"][:index], value, *right["updated"][index + 1:]]
+                refusals[feedback, variant] = refusals.get((feedback, variant), False) or refused_with(
+                    lambda: check.judge(inputs, {**right, "updated": updated}), feedback)
+        short = [bias_balancing._updated(UpdateStudent, case) for case in inputs["updates"]]
+        refusals["np.bincount without minlength", 0] = refused_with(lambda: check.judge(inputs, {**right, "updated": short}),
+                                                                     "received no token")
+        count(counts, refusals)
+    assert_every_slip_refused("ep.bias_balancing", counts)
+
+
+def test_every_node_limited_slip_is_refused_on_every_draw():
+    check = find_exercise("ep.node_limited").check
+    counts = {}
+    for seed in DRAWS:
+        cases = prepared("ep.node_limited", seed)
+        right = [{"routed": routing.node_limited_routing(c["logits"], c["k"], c["experts_per_node"], c["max_nodes"],
+                                                         c["renormalize"]),
+                  "crossing": routing.cross_node_dispatch_bytes(c["limited_indices"], c["experts_per_node"],
+                                                                c["source_node"], c["hidden"], c["bytes_per_element"]),
+                  "bound": c["logits"].shape[0] * c["max_nodes"] * c["hidden"] * c["bytes_per_element"]} for c in cases]
+        check.judge(cases, right)
+        refusals = {}
+        for index, case in enumerate(cases):
+            slips = {"routed": node_limited.routing_slips(case["logits"], case["k"], case["experts_per_node"],
+                                                          case["max_nodes"]),
+                     "crossing": node_limited.crossing_slips(case), "bound": node_limited.bound_slips(case)}
+            for part, table in slips.items():
+                for feedback, value in table.items():
+                    wrong = (value, right[index]["routed"][1]) if part == "routed" else value
+                    answers = [*right[:index], {**right[index], part: wrong}, *right[index + 1:]]
+                    refusals[feedback] = refusals.get(feedback, False) or refused_with(lambda: check.judge(cases, answers),
+                                                                                       feedback)
+        count(counts, refusals)
+    assert_every_slip_refused("ep.node_limited", counts)
+
+
+def tp_ep_outcomes(case, outputs) -> list:
+    """What each rank of the TP 2 x EP 2 world returns: its output and one all-to-all of its EP group
+    with the dispatch bytes of the formula (the rank's own part included)."""
+    experts, (seq, hidden) = case["router"].shape[1], case["x"].shape
+    sent = tp_ep.moe_tp_ep.tp_ep_dispatch_bytes(seq, tp_ep.TP, tp_ep.EP, experts, case["k"], case["factor"], hidden, 8)
+    return [{"output": outputs[rank % tp_ep.TP],
+             "events": [{"op": "all_to_all", "bytes": sent * tp_ep.EP // (tp_ep.EP - 1),
+                         "group": [rank % tp_ep.TP + tp_ep.TP * j for j in range(tp_ep.EP)]}]}
+            for rank in range(tp_ep.TP * tp_ep.EP)]
+
+
+def test_every_tp_ep_slip_is_refused_on_every_draw():
+    check = find_exercise("ep.tp_ep").check
+    counts = {}
+    for seed in DRAWS:
+        inputs = prepared("ep.tp_ep", seed)
+        case = inputs["case"]
+        right_bytes = [tp_ep.moe_tp_ep.tp_ep_dispatch_bytes(*args[:-1], sequence_parallel=args[-1])
+                       for args in inputs["formulas"]]
+        right = {"worlds": [tp_ep_outcomes(case, tp_ep.layer_outputs(case))], "bytes": right_bytes}
+        check.judge(inputs, right)
+        refusals = {}
+        for index, args in enumerate(inputs["formulas"]):
+            for feedback, value in tp_ep.formula_slips(args).items():
+                answers = {**right, "bytes": [*right_bytes[:index], value, *right_bytes[index + 1:]]}
+                refusals[feedback] = refusals.get(feedback, False) or refused_with(
+                    lambda: check.judge(inputs, answers), feedback)
+        whole = {**right, "worlds": [tp_ep_outcomes(case, tp_ep.whole_sequence_outputs(case))]}
+        refusals["whole sequence dispatched, own rows kept"] = refused_with(lambda: check.judge(inputs, whole),
+                                                                            "kept its own rows of the output")
+        count(counts, refusals)
+    assert_every_slip_refused("ep.tp_ep", counts)
+
+
+# --- and of the chapter's first exercises, through the same slip tables ---
+
+def case_by_case(judge, right: list, slips_of, wrong_answer=lambda value, right_answer: value, lists_are_variants=True):
+    """(feedback in words, variant) -> whether that slip, committed in one case (any), is refused and
+    named by `judge(answers)`; `slips_of(index)` is the case's slip table (a list there holds the
+    slip's variants, or with `lists_are_variants` False, one answer that is a list)."""
+    refusals = {}
+    for index in range(len(right)):
+        table = slips_of(index)
+        found = variants_of(table) if lists_are_variants else [(feedback, 0, value) for feedback, value in table.items()]
+        for feedback, variant, value in found:
+            answers = [*right[:index], wrong_answer(value, right[index]), *right[index + 1:]]
+            key = words(feedback), variant  # a slip's feedback may quote the case's numbers
+            refusals[key] = refusals.get(key, False) or refused_with(lambda: judge(answers), feedback)
+    return refusals
+
+
+def test_every_router_slip_is_refused_on_every_draw():
+    check, counts = find_exercise("ep.router").check, {}
+    for seed in DRAWS:
+        cases = prepared("ep.router", seed)
+        right = [moe.top_k_routing(*case) for case in cases]
+        check.judge(cases, right)
+        count(counts, case_by_case(lambda answers: check.judge(cases, answers), right,
+                                   lambda i: router.choice_slips(*cases[i][:2]), lambda value, ok: (value, ok[1])))
+        count(counts, case_by_case(lambda answers: check.judge(cases, answers), right,
+                                   lambda i: router.gate_slips(*cases[i]), lambda value, ok: (ok[0], value)))
+    assert_every_slip_refused("ep.router", counts)
+
+
+def test_every_slots_and_layer_slip_is_refused_on_every_draw():
+    for exercise_id, right_of, slips_of in (("ep.slots", moe.assign_slots, layer_checks._slot_slips),
+                                            ("ep.moe_layer", moe.moe_layer, layer_checks.layer_slips)):
+        check, counts = find_exercise(exercise_id).check, {}
+        for seed in DRAWS:
+            cases = prepared(exercise_id, seed)
+            right = [right_of(*case) for case in cases]
+            check.judge(cases, right)
+            count(counts, case_by_case(lambda answers: check.judge(cases, answers), right,
+                                       lambda i: slips_of(*cases[i])))
+        assert_every_slip_refused(exercise_id, counts)
+
+
+def test_every_balancing_loss_slip_is_refused_on_every_draw():
+    check, counts = find_exercise("ep.balancing_loss").check, {}
+    for seed in DRAWS:
+        cases = prepared("ep.balancing_loss", seed)
+        right = [dict(zip(("value", "gradient"), losses._loss_oracle(case))) for case in cases]
+        check.judge(cases, right)
+        count(counts, case_by_case(
+            lambda answers: check.judge(cases, answers), right,
+            lambda i: (losses.balancing_slips if cases[i]["indices"] is not None else losses.z_slips)(cases[i]),
+            lambda value, ok: {**ok, "value": value}))
+    assert_every_slip_refused("ep.balancing_loss", counts)
+
+
+def test_every_all_to_all_bytes_slip_is_refused_on_every_draw():
+    check, counts = find_exercise("ep.all_to_all_bytes").check, {}
+    for seed in DRAWS:
+        cases = prepared("ep.all_to_all_bytes", seed)
+        right = {"capacity": [moe.capacity_all_to_all_bytes(*case) for case in cases["capacity"]],
+                 "dropless": [moe.dropless_all_to_all_bytes(*case) for case in cases["dropless"]]}
+        check.judge(cases, right)
+        count(counts, case_by_case(lambda answers: check.judge(cases, {**right, "capacity": answers}), right["capacity"],
+                                   lambda i: all_to_all_bytes.capacity_slips(cases["capacity"][i])))
+        count(counts, case_by_case(lambda answers: check.judge(cases, {**right, "dropless": answers}), right["dropless"],
+                                   lambda i: all_to_all_bytes._dropless_slips(*cases["dropless"][i]),
+                                   lists_are_variants=False))
+    assert_every_slip_refused("ep.all_to_all_bytes", counts)
+
+
+@pytest.mark.parametrize("exercise_id", ["ep.expert_parallel_capacity", "ep.expert_parallel_dropless"])
+def test_every_expert_parallel_output_slip_is_refused_on_every_draw(exercise_id):
+    """The layer's slips, in every rank's output (judged first, as the check does); the exchanges
+    are judged from the recorded all-to-alls of real worlds (test_ep_checks.py)."""
+    counts = {}
+    for seed in DRAWS:
+        refusals = {}
+        for n, cases in prepared(exercise_id, seed):
+            for case in cases:
+                layers = [(case["x"][r], case["router"], case["w_in"], case["w_out"], case["k"], case["capacity"],
+                           case["renormalize"]) for r in range(n)]
+                right = [moe.moe_layer(*layer_) for layer_ in layers]
+                slips = [layer_checks.layer_slips(*layer_) for layer_ in layers]
+                for feedback, variant, _ in variants_of(slips[0]):
+                    outputs = [variants_of({feedback: slips[r][feedback]})[variant][2] for r in range(n)]
+                    refusals[feedback, variant] = refusals.get((feedback, variant), False) or refused_with(
+                        lambda: expert_parallel._judge_outputs(case, [{"output": o} for o in outputs], "world"),
+                        feedback)
+                expert_parallel._judge_outputs(case, [{"output": o} for o in right], "world")
+        count(counts, refusals)
+    assert_every_slip_refused(exercise_id, counts)

@@ -56,6 +56,32 @@ def test_the_solution_passes_every_draw(exercise, solutions):
     _draw_and_judge(exercise, solutions, FEWER_DRAWS.get(exercise.id, DRAWS_WITHOUT_WORLDS), 20261130)
 
 
+def _rounded_quotients() -> dict:
+    """(exercise, function) -> the quotient its answer rounds up or down, from the question's numbers:
+    every answer of the course that is a ceil() or floor() of a quotient of floats."""
+    from dtp.zero import formulas as zero
+    from grader.checks.cp.costs import _hiding_quotient
+    from grader.checks.zero.interview import _rooms
+
+    return {("cp.interview", "interview_tokens_to_hide"): lambda *question: [_hiding_quotient(*question)],
+            ("zero.interview", "interview_fewest_gpus_zero3"):
+                lambda *question: [zero.model_state_bytes_per_gpu(question[0], 1, 3) / room for room in _rooms(*question)],
+            ("overlap.interview", "interview_fewest_chunks"): lambda allgather, gemm: [gemm / (gemm - allgather)]}
+
+
+def test_answers_that_round_a_quotient_are_asked_only_where_it_is_clear_of_an_integer():
+    """Where the exact quotient is an integer, another order of the same arithmetic lands just above it
+    and its ceiling is one more: a right answer refused by rounding (cp.interview's 22501 for 22500)."""
+    from grader.checks.common import clear_of_integers
+    from grader.registry import find_exercise
+
+    for (exercise_id, name), quotients in _rounded_quotients().items():
+        check = find_exercise(exercise_id).check
+        for seed in range(300):
+            for question in check.prepare(np.random.default_rng(seed))[name]:
+                assert all(clear_of_integers(q) for q in quotients(*question)), (exercise_id, question)
+
+
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda exercise: exercise.id)
 def test_every_check_states_what_it_verifies_and_how_it_could_be_faked(exercise):
     doc = type(exercise.check).__doc__ or ""

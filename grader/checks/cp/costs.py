@@ -7,7 +7,8 @@ import math
 from dtp.cp import context_parallel as cp
 
 from ...registry import exercise
-from ..common import InterviewQuestions
+from ..references import refuses_library
+from ..common import InterviewQuestions, clear_of_integers
 
 GIB = 2 ** 30
 
@@ -18,6 +19,7 @@ def _bytes_case(rng):
 
 
 @exercise("cp.costs", points=3)
+@refuses_library("dtp.cp.context_parallel")
 class Costs(InterviewQuestions):
     """Verifies: four formulas as functions of their numbers, on Llama 3 405B's and on random ones:
     bytes one rank sends per layer's forward for ring attention, for an all-gather of K and V, for
@@ -28,7 +30,6 @@ class Costs(InterviewQuestions):
 
     reads = ("ring_bytes_per_layer", "allgather_kv_bytes_per_layer", "ulysses_bytes_per_layer",
              "activation_bytes_per_rank")
-    references = tuple(f"dtp.cp.context_parallel.{name}" for name in reads)
     asked = {"ring_bytes_per_layer": (131072, 1024, 16, 2),
              "allgather_kv_bytes_per_layer": (131072, 1024, 16, 2),
              "ulysses_bytes_per_layer": (131072, 16384, 1024, 16, 2),
@@ -73,20 +74,26 @@ def _ulysses_degree(heads, kv_heads, t):
     return kv_heads // t  # KV heads per TP rank: Ulysses splits them again, c at a time
 
 
-def _tokens_to_hide(flops, bandwidth, hidden, kv_hidden, dtype_bytes):
+def _hiding_quotient(flops, bandwidth, hidden, kv_hidden, dtype_bytes):
     # a step's block: 4·b²·h FLOPs (QK^T and PV) against 2·b·h_kv·bytes on the wire
-    return math.ceil(kv_hidden * dtype_bytes * flops / (2 * hidden * bandwidth))
+    return kv_hidden * dtype_bytes * flops / (2 * hidden * bandwidth)
+
+
+def _tokens_to_hide(*args):
+    return math.ceil(_hiding_quotient(*args))
 
 
 @exercise("cp.interview", points=2)
+@refuses_library("dtp.cp.context_parallel")
 class Interview(InterviewQuestions):
     """Verifies: three interview answers as functions of the question's numbers: activation GiB
     per GPU of a pipeline stage with CP, the largest Ulysses degree under grouped-query attention
-    and TP, and the fewest tokens per rank for which a ring step's compute hides its K/V transfer.
+    and TP, and the fewest tokens per rank for which a ring step's compute hides its K/V transfer
+    (drawn where the quotient it rounds up is clear of an integer: there any order of the
+    arithmetic rounds up to the same answer).
     Fakes: a number copied from the page answers the asked question only; dtp trips."""
 
     reads = ("interview_activation_gib", "interview_ulysses_degree", "interview_tokens_to_hide")
-    references = ("dtp.cp.context_parallel.activation_bytes_per_rank",)
     asked = {"interview_activation_gib": (131072, 1, 16384, 128, 8, 8, 16),
              "interview_ulysses_degree": (128, 8, 8),
              "interview_tokens_to_hide": (989e12, 50e9, 16384, 1024, 2)}
@@ -103,8 +110,11 @@ class Interview(InterviewQuestions):
             t = int(rng.choice([1, 2, 4, 8]))
             kv_heads = t * int(rng.choice([1, 2, 4, 8]))
             return kv_heads * int(rng.choice([1, 2, 4, 8, 16])), kv_heads, t
-        return (float(rng.choice([312e12, 989e12, 2250e12])), float(rng.choice([25e9, 50e9, 100e9, 400e9])),
-                128 * int(rng.integers(8, 129)), 128 * int(rng.integers(1, 9)), int(rng.choice([2, 4])))
+        while True:  # where the quotient is an integer, the ceiling of another order of the arithmetic is one off
+            question = (float(rng.choice([312e12, 989e12, 2250e12])), float(rng.choice([25e9, 50e9, 100e9, 400e9])),
+                        128 * int(rng.integers(8, 129)), 128 * int(rng.integers(1, 9)), int(rng.choice([2, 4])))
+            if clear_of_integers(_hiding_quotient(*question)) and clear_of_integers(2 * _hiding_quotient(*question)):
+                return question
 
     def expected(self, name, *args):
         if name == "interview_activation_gib":

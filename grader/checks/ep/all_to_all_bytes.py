@@ -7,10 +7,12 @@ from dtp.ep import moe
 
 from ...compare import expect, expect_answer
 from ...registry import Check, exercise
-from .shared import skewed_choices
+from ..references import refuses_library
+from .shared import MOE, skewed_choices
 
 
 @exercise("ep.all_to_all_bytes", points=2)
+@refuses_library(MOE)
 class AllToAllBytes(Check):
     """Verifies: bytes each rank sends to other ranks per forward and backward pass, with fixed
     capacity (random n, E, C, d, bytes per element) and dropless (random routings of 2 to 4
@@ -22,7 +24,6 @@ class AllToAllBytes(Check):
     """
 
     reads = ("capacity_all_to_all_bytes", "dropless_all_to_all_bytes")
-    references = ("dtp.ep.moe.capacity_all_to_all_bytes", "dtp.ep.moe.dropless_all_to_all_bytes")
     timeout_s = 15
 
     def prepare(self, rng):
@@ -47,17 +48,8 @@ class AllToAllBytes(Check):
 
     def judge(self, cases, answers) -> str:
         for case, answer in zip(cases["capacity"], answers["capacity"]):
-            n, experts, capacity, d, b = case
-            expected = moe.capacity_all_to_all_bytes(*case)
-            expect_answer(answer, expected, f"capacity_all_to_all_bytes{case}", slips={
-                "that counts the rows a rank keeps for its own experts; only (n-1)/n of each all-to-all leaves it":
-                    4 * experts * capacity * d * b,
-                # half: two of the four all-to-alls, whichever two (forward alone, or dispatch without combine)
-                "that is half: it counts two all-to-alls, and a forward and backward pass run four (dispatch and "
-                "combine, then the reverse of each in backward)": expected / 2,
-                "that is one all-to-all; a forward and backward pass run four (dispatch, combine and their reverses)":
-                    expected / 4,
-                "that counts the bytes a rank receives as well as those it sends": 2 * expected})
+            expect_answer(answer, moe.capacity_all_to_all_bytes(*case), f"capacity_all_to_all_bytes{case}",
+                          slips=capacity_slips(case))
         for (routings, experts, d, b), answer in zip(cases["dropless"], answers["dropless"]):
             n = len(routings)
             expected = moe.dropless_all_to_all_bytes(routings, experts, d, b)
@@ -69,6 +61,20 @@ class AllToAllBytes(Check):
                 expect_answer(answer[rank], expected[rank], f"{what}, rank {rank}",
                               slips={feedback: values[rank] for feedback, values in slips.items()})
         return "both formulas match on random layouts: 4(n-1)/n·E·C·h·w with capacity, 2(out+in)·h·w dropless"
+
+
+def capacity_slips(case) -> dict:
+    """feedback -> the bytes that mistake gives, for capacity_all_to_all_bytes(*case)."""
+    n, experts, capacity, d, b = case
+    expected = moe.capacity_all_to_all_bytes(*case)
+    return {"that counts the rows a rank keeps for its own experts; only (n-1)/n of each all-to-all leaves it":
+                4 * experts * capacity * d * b,
+            # half: two of the four all-to-alls, whichever two (forward alone, or dispatch without combine)
+            "that is half: it counts two all-to-alls, and a forward and backward pass run four (dispatch and "
+            "combine, then the reverse of each in backward)": expected / 2,
+            "that is one all-to-all; a forward and backward pass run four (dispatch, combine and their reverses)":
+                expected / 4,
+            "that counts the bytes a rank receives as well as those it sends": 2 * expected}
 
 
 def _dropless_slips(routings, experts: int, d: int, b: int) -> dict[str, list[float]]:

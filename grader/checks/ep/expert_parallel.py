@@ -11,9 +11,10 @@ from dtp.ep import moe
 
 from ...compare import CheckFailed, expect
 from ...registry import exercise
+from ..references import refuses_library
 from ..common import WorldsCheck, events_as_data, run_worlds
 from .layer import explain_layer_output, layer_slips, partly_dropped
-from .shared import TORCH_DIFFERENTIABLE_ALL_TO_ALL
+from .shared import MOE, TORCH_DIFFERENTIABLE_ALL_TO_ALL
 
 COUNT_EXCHANGE_BYTES_PER_EXPERT = 8  # an int64 count per expert: the only other traffic allowed
 
@@ -269,6 +270,7 @@ class ExpertParallelCheck(WorldsCheck):
 
 
 @exercise("ep.expert_parallel_capacity", points=3)
+@refuses_library(MOE)
 class ExpertParallelCapacity(ExpertParallelCheck):
     """Verifies: on 2 and 4 gloo ranks with 3 and 2 experts per rank, top-1 and top-2, with a
     capacity that drops tokens: every rank's output and the gradients of its tokens, its router
@@ -297,6 +299,7 @@ class ExpertParallelCapacity(ExpertParallelCheck):
 
 
 @exercise("ep.expert_parallel_dropless", points=3)
+@refuses_library(MOE)
 class ExpertParallelDropless(ExpertParallelCheck):
     """Verifies: dropless routing on 2 and 4 gloo ranks with 2 and 3 experts per rank, top-1 and
     top-2, ranks holding different numbers of tokens (one of them a single token, so that some

@@ -7,6 +7,8 @@ from fractions import Fraction
 from dtp.ep import moe
 
 from ...registry import exercise
+from ..references import refuses_library
+from .shared import MOE
 from ..common import InterviewQuestions
 
 # Mixtral 8x7B as the question states it, in MoEConfig's order (vocab, h, L, heads, kv heads, f, E, k)
@@ -18,6 +20,7 @@ def _config(vocab_size, hidden, n_layers, n_heads, n_kv_heads, expert_hidden, n_
 
 
 @exercise("ep.interview", points=2)
+@refuses_library(MOE)
 class Interview(InterviewQuestions):
     """Verifies: five functions of the question's numbers, on the numbers asked and on random
     ones: a capacity (fractional quotients included), a Mixtral-shaped model's total and active
@@ -30,8 +33,6 @@ class Interview(InterviewQuestions):
 
     reads = ("interview_capacity", "interview_total_parameters_b", "interview_active_parameters_b",
              "interview_gpus_if_ep_multiplies", "interview_expert_copies")
-    references = ("dtp.ep.moe.expert_capacity", "dtp.ep.moe.moe_parameter_counts", "dtp.ep.moe.MoETransformer",
-                  "dtp.ep.moe.MoEBlock", "dtp.ep.moe.MoEFeedForward", "dtp.ep.moe.parameters_per_gpu")
     asked = {"interview_capacity": (4096, 64, 2, 1.25),
              "interview_total_parameters_b": MIXTRAL[:7],
              "interview_active_parameters_b": MIXTRAL,

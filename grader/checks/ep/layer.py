@@ -12,13 +12,15 @@ from dtp.ep import moe
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
+from ..references import refuses_library
 from ..common import FormulaCheck
-from .shared import LAYER_REFERENCES, integer_array, known_mistake, skewed_choices
+from .shared import MOE, integer_array, known_mistake, skewed_choices
 
 CAPACITY_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # exact in binary: no rounding to argue about
 
 
 @exercise("ep.capacity", points=1)
+@refuses_library(MOE)
 class Capacity(FormulaCheck):
     """Verifies: ceil(capacity_factor · T · k / E) on random sizes, where the quotient is a whole
     number (the ceiling changes nothing) and where it is not; every grading has a fractional part
@@ -27,7 +29,6 @@ class Capacity(FormulaCheck):
     Fakes: dtp.ep.moe.expert_capacity trips; fresh sizes each run."""
 
     function = "expert_capacity"
-    references = ("dtp.ep.moe.expert_capacity",)
     summary = "ceil(capacity_factor · T · k / E) on random sizes, whole quotients and fractional ones"
 
     def cases(self, rng):
@@ -119,6 +120,7 @@ def _every_slip_shows(indices: np.ndarray, num_experts: int, capacity) -> bool:
 
 
 @exercise("ep.slots", points=2)
+@refuses_library(MOE)
 class Slots(Check):
     """Verifies: every assignment's slot or -1 for top-1, top-2 and top-3 routing on skewed random
     choices, with a capacity two or more below the largest load, a capacity exactly equal to one
@@ -128,7 +130,6 @@ class Slots(Check):
     """
 
     reads = ("assign_slots",)
-    references = ("dtp.ep.moe.assign_slots",)
     timeout_s = 15
 
     def prepare(self, rng):
@@ -274,6 +275,7 @@ def every_layer_slip_shows(layer: tuple) -> bool:
 
 
 @exercise("ep.moe_layer", points=2)
+@refuses_library(MOE)
 class MoELayer(Check):
     """Verifies: the layer's output for top-1, top-2 and top-3 routing, renormalised and not, with
     capacities that drop assignments (a top-2 token losing one expert and keeping the other
@@ -284,7 +286,6 @@ class MoELayer(Check):
     """
 
     reads = ("moe_layer",)
-    references = LAYER_REFERENCES
     timeout_s = 20
 
     def prepare(self, rng):

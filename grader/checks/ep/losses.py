@@ -10,9 +10,12 @@ from dtp.ep import moe
 
 from ...compare import CheckFailed, expect, expect_answer
 from ...registry import Check, exercise
+from ..references import refuses_library
+from .shared import MOE
 
 
 @exercise("ep.balancing_loss", points=2)
+@refuses_library(MOE)
 class BalancingLoss(Check):
     """Verifies: value and gradient with respect to the logits of the Switch load-balancing loss
     (random alpha, and the default 0.01) for top-1 and top-2 routing, and of the router z-loss
@@ -22,8 +25,6 @@ class BalancingLoss(Check):
     """
 
     reads = ("load_balancing_loss", "router_z_loss")
-    references = ("dtp.ep.moe.load_balancing_loss", "dtp.ep.moe.router_z_loss", "dtp.ep.moe.dispatched_fractions",
-                  "dtp.ep.moe.load_balancing_loss_and_gradient", "dtp.ep.moe.router_z_loss_and_gradient")
     timeout_s = 15
 
     def prepare(self, rng):
@@ -103,17 +104,35 @@ def _judge_balancing(case, result) -> None:
     alpha = case["alpha"]
     what = f"load_balancing_loss({tokens}×{experts} logits, top-{k}, {'default alpha' if alpha is None else f'alpha={alpha:.4g}'})"
     value, gradient = _loss_oracle(case)
-    used_alpha = 0.01 if alpha is None else alpha
-    probabilities = moe.softmax(case["logits"]).mean(axis=0)
-    slips = {"that is alpha·E·Σ P_i²: f_i is the fraction of assignments each expert received (a count, from the "
-             "indices), not its mean probability": used_alpha * experts * float(probabilities @ probabilities),
-             "f is normalised by T; count it over all T·k assignments so that it sums to 1 (the loss is alpha at "
-             "perfect balance)": value * k,
-             "the factor E is missing (it makes the loss alpha at perfect balance, whatever E)": value / experts,
-             "alpha is missing": value / used_alpha}
-    expect_answer(_checked_value(result, what), value, what, rel=1e-9, slips=slips)
+    expect_answer(_checked_value(result, what), value, what, rel=1e-9, slips=balancing_slips(case))
     _judge_gradient(result, gradient, what, "f is a count of assignments and carries no gradient; only P does "
                     "(compute f from the indices, or detach it)")
+
+
+def balancing_slips(case) -> dict:
+    """feedback -> the load-balancing loss that mistake gives."""
+    experts, k = case["logits"].shape[1], case["indices"].shape[1]
+    value, _ = _loss_oracle(case)
+    used_alpha = 0.01 if case["alpha"] is None else case["alpha"]
+    probabilities = moe.softmax(case["logits"]).mean(axis=0)
+    return {"that is alpha·E·Σ P_i²: f_i is the fraction of assignments each expert received (a count, from the "
+            "indices), not its mean probability": used_alpha * experts * float(probabilities @ probabilities),
+            "f is normalised by T; count it over all T·k assignments so that it sums to 1 (the loss is alpha at "
+            "perfect balance)": value * k,
+            "the factor E is missing (it makes the loss alpha at perfect balance, whatever E)": value / experts,
+            "alpha is missing": value / used_alpha}
+
+
+def z_slips(case) -> dict:
+    """feedback -> the z-loss that mistake gives."""
+    logits = case["logits"]
+    used = 0.001 if case["coefficient"] is None else case["coefficient"]
+    value, _ = _loss_oracle(case)
+    log_sum_exp = logits.max(axis=1) + np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1))
+    return {"the log-sum-exp is not squared": used * log_sum_exp.mean(),
+            "that sums over tokens; the z-loss averages over them": value * logits.shape[0],
+            "that squares each token's largest logit, not its log-sum-exp": used * (logits.max(axis=1) ** 2).mean(),
+            "the coefficient is missing (ST-MoE's c_z is 0.001)": value / used}
 
 
 def _judge_z_loss(case, result) -> None:
@@ -121,17 +140,11 @@ def _judge_z_loss(case, result) -> None:
     coefficient = case["coefficient"]
     what = (f"router_z_loss({logits.shape[0]}×{logits.shape[1]} logits near {logits.mean():.0f}, "
             f"{'default coefficient' if coefficient is None else f'coefficient={coefficient:.4g}'})")
-    used = 0.001 if coefficient is None else coefficient
     value, gradient = _loss_oracle(case)
-    log_sum_exp = logits.max(axis=1) + np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1))
     actual = _checked_value(result, what)
     expect(np.isfinite(actual), f"{what} is {actual}: exp overflows for logits this large; use torch.logsumexp "
                                 "(it subtracts the maximum first)")
-    expect_answer(actual, value, what, rel=1e-9, slips={
-        "the log-sum-exp is not squared": used * log_sum_exp.mean(),
-        "that sums over tokens; the z-loss averages over them": value * logits.shape[0],
-        "that squares each token's largest logit, not its log-sum-exp": used * (logits.max(axis=1) ** 2).mean(),
-        "the coefficient is missing (ST-MoE's c_z is 0.001)": value / used})
+    expect_answer(actual, value, what, rel=1e-9, slips=z_slips(case))
     _judge_gradient(result, gradient, what, "differentiate through torch.logsumexp")
 
 

@@ -9,15 +9,18 @@ from dtp.ep import routing as moe_routing
 
 from ...compare import CheckFailed, expect, expect_answer
 from ...registry import Check, exercise
-from .shared import ROUTING_REFERENCES, integer_array, known_mistake, pair
+from ..references import refuses_library
+from .shared import MOE, integer_array, known_mistake, pair
 
 
 @exercise("ep.node_limited", points=3)
+@refuses_library("dtp.ep.routing", MOE)
 class NodeLimited(Check):
     """Verifies: `node_limited_router` keeps, for every token, the M nodes whose k/M most probable
     experts sum highest and routes top-k among their experts (best first, gate weights the
     probabilities, renormalised and not), on draws where plain top-k spans more than M nodes and
-    where the node score, or a limit applied after the top-k, would change some token's experts;
+    where scoring a node by its single best expert or by all its experts, or a limit applied after
+    the top-k, would change some token's experts (each named);
     every token's experts lie on at most M nodes. `cross_node_bytes` counts one crossing per token
     and destination node other than its own, on those routings from random source nodes, and
     `max_cross_node_bytes` is the bound T·M·h·w.
@@ -25,8 +28,6 @@ class NodeLimited(Check):
     """
 
     reads = ("node_limited_router", "cross_node_bytes", "max_cross_node_bytes")
-    references = ("dtp.ep.routing.node_limited_routing", "dtp.ep.routing.cross_node_dispatch_bytes") \
-        + ROUTING_REFERENCES
     timeout_s = 15
 
     def prepare(self, rng):
@@ -81,25 +82,40 @@ def _after_top_k(logits, k, per_node, max_nodes) -> np.ndarray:
     return np.argsort(-masked, axis=1, kind="stable")[:, :k]
 
 
-def _by_best_expert(logits, k, per_node, max_nodes) -> np.ndarray:
-    """The slip: nodes scored by their single best expert (DeepSeek-V2's device-limited rule)."""
+def _by_node_score(logits, k, per_node, max_nodes, best: int | None) -> np.ndarray:
+    """The slip: nodes scored by the sum of their `best` most probable experts (1: DeepSeek-V2's
+    device-limited rule; None: all of them) instead of their k/M best."""
     probabilities = moe.softmax(logits)
     tokens, experts = probabilities.shape
-    best = probabilities.reshape(tokens, experts // per_node, per_node).max(axis=2)
-    nodes = np.argsort(-best, axis=1, kind="stable")[:, :max_nodes]
-    allowed = np.zeros_like(best, dtype=bool)
+    by_node = np.sort(probabilities.reshape(tokens, experts // per_node, per_node), axis=2)
+    score = by_node[:, :, -best:].sum(axis=2) if best else by_node.sum(axis=2)
+    nodes = np.argsort(-score, axis=1, kind="stable")[:, :max_nodes]
+    allowed = np.zeros_like(score, dtype=bool)
     np.put_along_axis(allowed, nodes, True, axis=1)
     masked = np.where(np.repeat(allowed, per_node, axis=1), probabilities, -np.inf)
     return np.argsort(-masked, axis=1, kind="stable")[:, :k]
 
 
+def routing_slips(logits, k, per_node, max_nodes) -> dict:
+    """feedback -> the expert indices that mistake chooses: each differs from the rule on some
+    token of every case `_separates` accepts, where it can differ at all."""
+    slips = {"the node limit is ignored: that is plain top-k, whose experts span more than max_nodes nodes":
+                 moe.top_k_routing(logits, k, False)[0],
+             "the limit is applied after the top-k: choose the M nodes first (each scored by the sum of its k/M most "
+             "probable experts), then the top-k among their experts": _after_top_k(logits, k, per_node, max_nodes)}
+    if k // max_nodes > 1:  # with one expert per node from each, its best expert is its score
+        slips["the nodes are scored by their single best expert; DeepSeek-V3 scores a node by the sum of its k/M "
+              "most probable experts"] = _by_node_score(logits, k, per_node, max_nodes, 1)
+    if k // max_nodes < per_node:  # a node's k/M best are not all its experts
+        slips["the nodes are scored by the sum of all their experts' probabilities; DeepSeek-V3 sums only each node's "
+              "k/M most probable experts (a node of many middling experts must not outscore one with a few strong "
+              "ones)"] = _by_node_score(logits, k, per_node, max_nodes, None)
+    return slips
+
+
 def _separates(logits, k, per_node, max_nodes) -> bool:
     right, _ = moe_routing.node_limited_routing(logits, k, per_node, max_nodes, False)
-    plain, _ = moe.top_k_routing(logits, k, False)
-    near_misses = [plain, _after_top_k(logits, k, per_node, max_nodes)]
-    if k // max_nodes > 1:  # with one expert per node the two node scores agree
-        near_misses.append(_by_best_expert(logits, k, per_node, max_nodes))
-    return all(not np.array_equal(right, wrong) for wrong in near_misses)
+    return all(not np.array_equal(right, wrong) for wrong in routing_slips(logits, k, per_node, max_nodes).values())
 
 
 def _judge_routing(case, answer) -> None:
@@ -110,13 +126,7 @@ def _judge_routing(case, answer) -> None:
     indices = integer_array(indices, (logits.shape[0], k), "expert_indices", what)
     expected, expected_weights = moe_routing.node_limited_routing(logits, k, per_node, max_nodes, case["renormalize"])
     if not np.array_equal(indices, expected):
-        slip = known_mistake(indices, {
-            "the node limit is ignored: that is plain top-k, whose experts span more than max_nodes nodes":
-                moe.top_k_routing(logits, k, False)[0],
-            "the limit is applied after the top-k: choose the M nodes first (each scored by the sum of its k/M "
-            "most probable experts), then the top-k among their experts": _after_top_k(logits, k, per_node, max_nodes),
-            "the nodes are scored by their single best expert; DeepSeek-V3 scores a node by the sum of its k/M "
-            "most probable experts": _by_best_expert(logits, k, per_node, max_nodes)}, rtol=0, atol=0)
+        slip = known_mistake(indices, routing_slips(logits, k, per_node, max_nodes), rtol=0, atol=0)
         if slip:
             raise CheckFailed(f"{what}: {slip}")
         spans = [len(set((row // per_node).tolist())) for row in indices]
@@ -136,22 +146,30 @@ def _judge_routing(case, answer) -> None:
 def _judge_bytes(case, crossing, bound) -> None:
     k, per_node, max_nodes = case["k"], case["experts_per_node"], case["max_nodes"]
     hidden, width, source = case["hidden"], case["bytes_per_element"], case["source_node"]
-    tokens = case["logits"].shape[0]
-    indices = case["limited_indices"]
-    row = hidden * width
-    nodes = indices // per_node
+    tokens, indices = case["logits"].shape[0], case["limited_indices"]
     what = (f"cross_node_bytes({tokens} tokens' expert_indices, experts_per_node={per_node}, source_node={source}, "
             f"hidden={hidden}, bytes_per_element={width})")
     expect_answer(crossing, moe_routing.cross_node_dispatch_bytes(indices, per_node, source, hidden, width), what,
-                  rel=1e-12, slips={
-        "that sends one copy per expert; a token crosses to each other node once (and is copied to its experts "
-        "there)": int(np.sum(nodes != source)) * row,
-        "a token's own node is reached without crossing: count only the other nodes":
-            sum(len(set(r.tolist())) for r in nodes) * row,
-        "bytes_per_element is missing": moe_routing.cross_node_dispatch_bytes(indices, per_node, source, hidden, 1)})
+                  rel=1e-12, slips=crossing_slips(case))
     what = (f"max_cross_node_bytes(tokens={tokens}, k={k}, max_nodes={max_nodes}, hidden={hidden}, "
             f"bytes_per_element={width})")
-    expect_answer(bound, tokens * max_nodes * row, what, rel=1e-12, slips={
-        "that is one copy per expert, the bound without the limit (and without sending once per node); with it a "
-        "token reaches at most M nodes": tokens * k * row,
-        "the token's own node need not be among its M nodes, so all M may be crossings": tokens * (max_nodes - 1) * row})
+    expect_answer(bound, tokens * max_nodes * hidden * width, what, rel=1e-12, slips=bound_slips(case))
+
+
+def crossing_slips(case) -> dict:
+    per_node, source, hidden, width = case["experts_per_node"], case["source_node"], case["hidden"], case["bytes_per_element"]
+    indices = case["limited_indices"]
+    nodes, row = indices // per_node, hidden * width
+    return {"that sends one copy per expert; a token crosses to each other node once (and is copied to its experts "
+            "there)": int(np.sum(nodes != source)) * row,
+            "a token's own node is reached without crossing: count only the other nodes":
+                sum(len(set(r.tolist())) for r in nodes) * row,
+            "bytes_per_element is missing": moe_routing.cross_node_dispatch_bytes(indices, per_node, source, hidden, 1)}
+
+
+def bound_slips(case) -> dict:
+    tokens, k, max_nodes = case["logits"].shape[0], case["k"], case["max_nodes"]
+    row = case["hidden"] * case["bytes_per_element"]
+    return {"that is one copy per expert, the bound without the limit (and without sending once per node); with it a "
+            "token reaches at most M nodes": tokens * k * row,
+            "the token's own node need not be among its M nodes, so all M may be crossings": tokens * (max_nodes - 1) * row}

@@ -7,10 +7,12 @@ from dtp.ep import moe
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import Check, exercise
-from .shared import ROUTING_REFERENCES, integer_array, known_mistake, name_mistakes, pair
+from ..references import refuses_library
+from .shared import MOE, integer_array, known_mistake, name_mistakes, pair
 
 
 @exercise("ep.router", points=2)
+@refuses_library(MOE)
 class Router(Check):
     """Verifies: expert indices (most probable first) and gate weights, renormalised or not, for
     k = 1 to 4 on random logits of random shapes, including logits near 1000 whose exponentials
@@ -19,7 +21,6 @@ class Router(Check):
     """
 
     reads = ("top_k_router",)
-    references = ROUTING_REFERENCES
     timeout_s = 15
 
     def prepare(self, rng):
@@ -61,11 +62,7 @@ def _judge_choices(logits: np.ndarray, k: int, indices: np.ndarray, what: str) -
     if np.array_equal(np.sort(indices, axis=1), np.sort(expected, axis=1)):
         diagnoses.append("the right experts, in the wrong order: list each token's choices from the most probable to "
                          "the least (the first choice has priority when capacity runs out)")
-    slip = known_mistake(indices, {
-        "you chose each token's k least probable experts: sort by falling probability":
-            np.argsort(moe.softmax(logits), axis=1, kind="stable")[:, :k],
-        "your softmax normalises over the tokens (axis 0); a token's probabilities are over the experts (axis 1)":
-            np.argsort(-moe.softmax(logits.T).T, axis=1, kind="stable")[:, :k]}, rtol=0, atol=0)
+    slip = known_mistake(indices, choice_slips(logits, k), rtol=0, atol=0)
     if diagnoses or slip:
         raise CheckFailed(f"{what}: {name_mistakes(diagnoses + ([slip] if slip else []))}")
     token = int(np.argmax(np.any(indices != expected, axis=1)))
@@ -74,22 +71,34 @@ def _judge_choices(logits: np.ndarray, k: int, indices: np.ndarray, what: str) -
     raise CheckFailed(f"{what}: token {token} went to experts {indices[token].tolist()}; {best}")
 
 
-def _judge_gates(logits: np.ndarray, k: int, renormalize: bool, weights: np.ndarray, what: str) -> None:
-    _, expected = moe.top_k_routing(logits, k, renormalize)
-    if np.allclose(weights, expected, rtol=1e-9, atol=1e-12):
-        return
+def choice_slips(logits: np.ndarray, k: int) -> dict:
+    """feedback -> the expert indices that mistake chooses."""
+    return {"you chose each token's k least probable experts: sort by falling probability":
+                np.argsort(moe.softmax(logits), axis=1, kind="stable")[:, :k],
+            "your softmax normalises over the tokens (axis 0); a token's probabilities are over the experts (axis 1)":
+                np.argsort(-moe.softmax(logits.T).T, axis=1, kind="stable")[:, :k]}
+
+
+def gate_slips(logits: np.ndarray, k: int, renormalize: bool) -> dict:
+    """feedback -> the gate weights that mistake gives (for the right experts)."""
     _, other = moe.top_k_routing(logits, k, not renormalize)
     indices, _ = moe.top_k_routing(logits, k, False)
-    column = np.take_along_axis(moe.softmax(logits.T).T, indices, axis=1)
-    slips = {
+    return {
         ("you renormalised the k weights; with renormalize=False the gate weight is the expert's probability "
          "itself (as in the Switch Transformer)") if not renormalize else
         ("with renormalize=True divide the k chosen probabilities by their sum (Mixtral's softmax over the top-k "
          "logits gives the same numbers)"): other,
         "those are the logits; the gate weights are softmax probabilities": np.take_along_axis(logits, indices, axis=1),
-        "your softmax normalises over the tokens (axis 0), not over the experts": column,
+        "your softmax normalises over the tokens (axis 0), not over the experts":
+            np.take_along_axis(moe.softmax(logits.T).T, indices, axis=1),
     }
-    slip = known_mistake(weights, slips)
+
+
+def _judge_gates(logits: np.ndarray, k: int, renormalize: bool, weights: np.ndarray, what: str) -> None:
+    _, expected = moe.top_k_routing(logits, k, renormalize)
+    if np.allclose(weights, expected, rtol=1e-9, atol=1e-12):
+        return
+    slip = known_mistake(weights, gate_slips(logits, k, renormalize))
     if slip:
         raise CheckFailed(f"{what}: {slip}")
     expect_close(weights, expected, f"{what}: gate_weights", rtol=1e-9, atol=1e-12, check_dtype=False)

@@ -1,4 +1,4 @@
-"""What the expert-parallelism checks share: the course code they refuse, answer-shape checks,
+"""What the expert-parallelism checks share: the module whose code they refuse, torch's all-to-alls, answer-shape checks,
 naming a known mistake by its value, and routings skewed so that capacity binds."""
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ import numpy as np
 
 from ...compare import expect
 
-ROUTING_REFERENCES = ("dtp.ep.moe.top_k_routing", "dtp.ep.moe.softmax")
-LAYER_REFERENCES = ("dtp.ep.moe.moe_layer", "dtp.ep.moe.moe_layer_torch", "dtp.ep.moe.dispatch_and_combine",
-                    "dtp.ep.moe.assign_slots", "dtp.ep.moe.expert_capacity") + ROUTING_REFERENCES
+MOE = "dtp.ep.moe"  # the module of the chapter's oracles, whose every answer each exercise refuses (references.py)
 # torch's differentiable all-to-alls: the exercise is to write the backward exchange
 TORCH_DIFFERENTIABLE_ALL_TO_ALL = ("torch.distributed.nn.functional.all_to_all_single",
                                    "torch.distributed.nn.functional.all_to_all",

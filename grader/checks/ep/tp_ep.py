@@ -11,8 +11,9 @@ from dtp.ep import tp_ep as moe_tp_ep
 
 from ...compare import CheckFailed, expect, expect_answer
 from ...registry import Check, exercise
+from ..references import refuses_library
 from ..common import completed_worlds, events_as_data, raise_world_failure, run_worlds
-from .shared import LAYER_REFERENCES
+from .shared import MOE
 
 TP, EP = 2, 2
 
@@ -35,6 +36,7 @@ def _tp_ep_on_rank(rank, world_size, layer, case):
 
 
 @exercise("ep.tp_ep", points=3)
+@refuses_library("dtp.ep.tp_ep", MOE)
 class TensorAndExpertParallel(Check):
     """Verifies: on a gloo world of 4 (TP 2 × EP 2), each rank's output is the single-process
     layer (fixed capacity, renormalised top-k) on its own s/t tokens of the sequence, and its
@@ -44,24 +46,28 @@ class TensorAndExpertParallel(Check):
     parallelism.
     Fakes: dtp.ep.tp_ep and dtp.ep.moe's layers and router trip; an output computed without the
     all-to-all (every rank holding only its own experts) cannot equal the layer; dispatching the
-    whole sequence from every TP rank fails on the output's rows and on the bytes.
+    whole sequence from every TP rank fails on the output's rows, and keeping only the rank's own
+    rows of it on their values (every grading's layer drops other tokens when twice the tokens meet
+    the same capacity), each named.
     """
 
     reads = ("tp_ep_moe", "tp_ep_dispatch_bytes")
-    references = ("dtp.ep.tp_ep.tp_ep_moe_forward", "dtp.ep.tp_ep.tp_ep_dispatch_bytes",
-                  "dtp.ep.tp_ep.measure_tp_ep") + LAYER_REFERENCES
     runs_world = True
     timeout_s = 60
 
     def prepare(self, rng):
-        experts, k = int(rng.choice([4, 6, 8])), int(rng.integers(1, 3))
-        seq, hidden, width = TP * int(rng.integers(5, 12)), int(rng.integers(4, 9)), int(rng.integers(3, 7))
-        factor = float(rng.choice([1.0, 1.25, 2.0]))
-        case = {"x": rng.standard_normal((seq, hidden)),
-                "router": rng.standard_normal((hidden, experts)) + rng.standard_normal(experts),
-                "w_in": rng.standard_normal((experts, hidden, width)) / np.sqrt(hidden),
-                "w_out": rng.standard_normal((experts, width, hidden)), "k": k, "factor": factor,
-                "capacity": moe.expert_capacity(seq // TP, experts, k, factor)}
+        while True:  # until dispatching the whole sequence (the same capacity, twice the tokens) drops differently
+            experts, k = int(rng.choice([4, 6, 8])), int(rng.integers(1, 3))
+            seq, hidden, width = TP * int(rng.integers(5, 12)), int(rng.integers(4, 9)), int(rng.integers(3, 7))
+            factor = float(rng.choice([1.0, 1.25, 2.0]))
+            case = {"x": rng.standard_normal((seq, hidden)),
+                    "router": rng.standard_normal((hidden, experts)) + rng.standard_normal(experts),
+                    "w_in": rng.standard_normal((experts, hidden, width)) / np.sqrt(hidden),
+                    "w_out": rng.standard_normal((experts, width, hidden)), "k": k, "factor": factor,
+                    "capacity": moe.expert_capacity(seq // TP, experts, k, factor)}
+            if any(not np.allclose(whole, right, **LAYER_TOLERANCE)
+                   for whole, right in zip(whole_sequence_outputs(case), layer_outputs(case))):
+                break
         formulas = [(int(rng.integers(64, 8192)) * t, t, e, e * int(rng.integers(1, 9)), int(rng.integers(1, 5)),
                      float(rng.choice([1.0, 1.25, 1.5])), int(rng.integers(64, 8192)), int(rng.choice([2, 4])), sp)
                     for t, e, sp in ((2, 2, True), (4, 8, True), (8, 4, False), (int(rng.choice([2, 4])), 2, True))]
@@ -90,20 +96,50 @@ def _judge_formula(args, answer) -> None:
     seq, tp, ep, experts, k, factor, hidden, width, sp = args
     what = (f"tp_ep_dispatch_bytes(seq_tokens={seq}, tp={tp}, ep={ep}, num_experts={experts}, k={k}, "
             f"capacity_factor={factor}, hidden={hidden}, bytes_per_element={width}, sequence_parallel={sp})")
+    expect_answer(answer, moe_tp_ep.tp_ep_dispatch_bytes(*args[:-1], sequence_parallel=sp), what, rel=1e-12,
+                  slips=formula_slips(args))
+
+
+def formula_slips(args) -> dict:
+    """feedback -> the bytes that mistake gives, for tp_ep_dispatch_bytes(*args)."""
+    seq, tp, ep, experts, k, factor, hidden, width, sp = args
     expected = moe_tp_ep.tp_ep_dispatch_bytes(*args[:-1], sequence_parallel=sp)
-    other = moe_tp_ep.tp_ep_dispatch_bytes(*args[:-1], sequence_parallel=not sp)
     capacity = moe.expert_capacity(seq // tp if sp else seq, experts, k, factor)
-    expect_answer(answer, expected, what, rel=1e-12, slips={
-        ("with sequence parallelism a TP rank routes only its s/t tokens, so its capacity is computed on s/t"
-         if sp else "without sequence parallelism every TP rank holds (and routes) all s tokens"): other,
-        "the rows for the rank's own experts stay on it: (e-1)·(E/e)·C rows leave, not E·C":
-            experts * capacity * hidden * width,
-        "bytes_per_element is missing": expected / width})
+    return {("with sequence parallelism a TP rank routes only its s/t tokens, so its capacity is computed on s/t"
+             if sp else "without sequence parallelism every TP rank holds (and routes) all s tokens"):
+                moe_tp_ep.tp_ep_dispatch_bytes(*args[:-1], sequence_parallel=not sp),
+            "the rows for the rank's own experts stay on it: (e-1)·(E/e)·C rows leave, not E·C":
+                experts * capacity * hidden * width,
+            "bytes_per_element is missing": expected / width}
+
+
+LAYER_TOLERANCE = dict(rtol=1e-7, atol=1e-9)
+WHOLE_SEQUENCE = ("every TP rank dispatched the whole sequence and kept its own rows of the output: with sequence "
+                  "parallelism a TP rank holds and dispatches only its own s/t tokens (x_sequence.chunk(tp)[tp_rank]); "
+                  "the whole sequence, twice the tokens into the same capacity, drops other tokens (and sends each one "
+                  "to its experts t times)")
+
+
+def _shares(case) -> list[np.ndarray]:
+    seq, hidden = case["x"].shape
+    return list(case["x"].reshape(TP, seq // TP, hidden))
+
+
+def layer_outputs(case) -> list[np.ndarray]:
+    """Each TP rank's right output: the single-process layer on its s/t tokens."""
+    return [moe.moe_layer(share, case["router"], case["w_in"], case["w_out"], case["k"], case["capacity"], True)
+            for share in _shares(case)]
+
+
+def whole_sequence_outputs(case) -> list[np.ndarray]:
+    """Each TP rank's rows of the layer on the whole sequence, with the capacity of s/t tokens."""
+    whole = moe.moe_layer(case["x"], case["router"], case["w_in"], case["w_out"], case["k"], case["capacity"], True)
+    return list(whole.reshape(TP, -1, whole.shape[1]))
 
 
 def _judge_rank(case, rank: int, outcome) -> None:
     seq, hidden = case["x"].shape
-    share = case["x"].reshape(TP, seq // TP, hidden)[rank % TP]
+    share = _shares(case)[rank % TP]
     what = f"rank {rank} (tp_rank {rank % TP}, ep_rank {rank // TP}) of a TP {TP} × EP {EP} world, sequence of {seq}"
     output = outcome["output"]
     expect(isinstance(output, (np.ndarray, torch.Tensor)), f"{what}: tp_ep_moe should return a tensor")
@@ -113,8 +149,10 @@ def _judge_rank(case, rank: int, outcome) -> None:
                           f"each token went to its experts {TP} times. With sequence parallelism a TP rank holds and "
                           f"dispatches only its own s/t = {seq // TP} tokens (x_sequence.chunk(tp)[tp_rank])")
     expect(output.shape == share.shape, f"{what}: the output should have shape {share.shape}, not {output.shape}")
-    expected = moe.moe_layer(share, case["router"], case["w_in"], case["w_out"], case["k"], case["capacity"], True)
-    if not np.allclose(output, expected, rtol=1e-7, atol=1e-9):
+    expected = layer_outputs(case)[rank % TP]
+    if not np.allclose(output, expected, **LAYER_TOLERANCE):
+        if np.allclose(output, whole_sequence_outputs(case)[rank % TP], **LAYER_TOLERANCE):
+            raise CheckFailed(f"{what}: {WHOLE_SEQUENCE}")
         raise CheckFailed(f"{what}: the output differs from the single-process layer on this rank's "
                           f"{seq // TP} tokens by up to {np.abs(output - expected).max():.3g} (capacity "
                           f"{case['capacity']} per rank, renormalised top-{case['k']})")

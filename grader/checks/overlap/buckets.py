@@ -11,6 +11,7 @@ from dtp.overlap.runs import bucket_overlap_rank, full_batch_gradients
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import exercise
+from ..references import refuses_library
 from ..common import WorldsCheck, run_worlds
 from .order import between_marks, unexpected_ops, wait_of
 
@@ -75,6 +76,7 @@ class BucketJudge:
 
 
 @exercise("overlap.bucket_overlap", points=3)
+@refuses_library("dtp.overlap.runs")
 class BucketOverlap(WorldsCheck):
     """Verifies: on 2 and 3 gloo ranks with random buckets of layers (the last layer first), one
     backward leaves the average over ranks of every gradient after finish(); each bucket's

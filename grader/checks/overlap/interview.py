@@ -6,6 +6,7 @@ import math
 from dtp.overlap import model as overlap
 
 from ...registry import exercise
+from ..references import refuses_library
 from ..common import InterviewQuestions
 
 
@@ -18,6 +19,7 @@ def _allgather_ms(gigabytes, gb_per_s, n):
 
 
 @exercise("overlap.interview", points=2)
+@refuses_library("dtp.overlap.model")
 class Interview(InterviewQuestions):
     """Verifies: three interview answers as functions of the question's numbers (DDP's exposed
     all-reduce in ms for a gradient size, bus bandwidth, GPUs, backward time and buckets;
@@ -26,7 +28,6 @@ class Interview(InterviewQuestions):
     Fakes: a number copied from the page answers the asked question only; dtp.overlap.model trips."""
 
     reads = ("interview_ddp_exposed_ms", "interview_zero3_forward_exposed_ms", "interview_fewest_chunks")
-    references = ("dtp.overlap.model.ddp_exposed", "dtp.overlap.model.fsdp_forward_exposed", "dtp.overlap.model.collective_matmul_exposed")
     asked = {"interview_ddp_exposed_ms": (14.0, 100.0, 64, 250.0, 25),
              "interview_zero3_forward_exposed_ms": (80, 1.75, 100.0, 64, 12.0),
              "interview_fewest_chunks": (6.0, 10.0)}

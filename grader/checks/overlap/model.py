@@ -6,6 +6,7 @@ from dtp.overlap import model as overlap
 
 from ...compare import CheckFailed, expect_answer
 from ...registry import Check, exercise
+from ..references import refuses_library
 from ..common import describe_call
 
 
@@ -18,6 +19,7 @@ def _regime(rng, hidden: bool) -> tuple[float, float]:
 
 
 @exercise("overlap.exposure_model", points=3)
+@refuses_library("dtp.overlap.model")
 class ExposureModel(Check):
     """Verifies: the exposed communication of DDP with b buckets, of ZeRO-3's forward with and
     without prefetch, of collective matmul with t chunks, of a Megatron TP layer (forward and
@@ -28,9 +30,6 @@ class ExposureModel(Check):
 
     reads = ("ddp_exposed_time", "fsdp_forward_exposed_time", "collective_matmul_exposed_time", "tp_layer_exposed_time",
              "ep_exposed_time")
-    references = ("dtp.overlap.model.ddp_exposed", "dtp.overlap.model.ddp_exposed_serial", "dtp.overlap.model.fsdp_forward_exposed",
-                  "dtp.overlap.model.collective_matmul_exposed", "dtp.overlap.model.exposed", "dtp.overlap.model.tp_layer_exposed",
-                  "dtp.overlap.model.ep_exposed")
     timeout_s = 15
 
     def prepare(self, rng):

@@ -18,6 +18,7 @@ from dtp.zero import runs as zero_runs
 
 from ...compare import CheckFailed, expect, expect_close
 from ...registry import exercise
+from ..references import refuses_library
 from ..common import WorldsCheck, run_worlds
 from ..zero.judging import FSDP_REFERENCES
 from .order import between_marks, products_between, unexpected_ops, wait_of
@@ -131,6 +132,7 @@ class PrefetchJudge:
 
 
 @exercise("overlap.zero3_prefetch", points=4)
+@refuses_library("dtp.overlap.runs", "dtp.zero.runs", "dtp.zero.sharded")
 class Zero3Prefetch(WorldsCheck):
     """Verifies: on 2 and 3 gloo ranks, two Adam steps of a 4-layer MLP through the learner's
     module equal unsharded training (pieces put back together in the grader); in forward and in

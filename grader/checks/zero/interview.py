@@ -5,7 +5,7 @@ from dtp.memory import formulas as memory
 from dtp.zero import formulas as zero
 
 from ...registry import exercise
-from ..common import InterviewQuestions
+from ..common import InterviewQuestions, clear_of_integers
 from .memory import _stage_slips
 
 ASKED_PARAMETERS = 70e9
@@ -36,8 +36,12 @@ class Interview(InterviewQuestions):
     def drawn(self, name, rng):
         n_params, n_gpus = float(rng.integers(1, 5000)) * 1e8, int(rng.integers(2, 4097))
         if name == "interview_fewest_gpus_zero3":
-            gpu_mib = int(rng.integers(16, 200)) * 1024 - int(rng.integers(0, 1000))
-            return n_params, gpu_mib, int(rng.integers(0, gpu_mib // 2048))  # reserve under half the memory
+            while True:  # ZeRO-3's states over the room per GPU, clear of an integer (see clear_of_integers)
+                gpu_mib = int(rng.integers(16, 200)) * 1024 - int(rng.integers(0, 1000))
+                question = n_params, gpu_mib, int(rng.integers(0, gpu_mib // 2048))  # reserve under half the memory
+                if all(clear_of_integers(zero.model_state_bytes_per_gpu(n_params, 1, 3) / room)
+                       for room in _rooms(*question)):
+                    return question
         if name == "interview_zero1_saving":
             return (int(rng.integers(2, 65)),)  # where the saving is still far from its limit of 4
         return n_params, n_gpus
@@ -71,3 +75,8 @@ class Interview(InterviewQuestions):
         right = zero.model_state_bytes_per_gpu(n_params, n_gpus, stage)
         return {"that is in GiB; GB = 10⁹ bytes": right / 2**30,
                 **{feedback: value / 1e9 for feedback, value in _stage_slips(n_params, n_gpus, stage).items()}}
+
+
+def _rooms(n_params, gpu_mib, reserved_gib) -> tuple[float, ...]:
+    """Bytes per GPU for model states: as asked, as the slips read the units, without the reserve."""
+    return gpu_mib * 2**20 - reserved_gib * 2**30, gpu_mib * 1e6 - reserved_gib * 1e9, gpu_mib * 2**20

@@ -51,19 +51,25 @@ def measure_ddp(world_size=2, numel=2**23, backward_s=0.04, bucket_counts=(1, 2,
     all-reduced as soon as backward has produced it, for every b; and `after_buckets` buckets
     all-reduced after backward. Model: `model.ddp_exposed(C, B, b, alpha, launch=...)` with the
     fitted alpha less the measured launch, C = beta·bytes of all gradients; after backward, the
-    model's program of that, simulated."""
+    model's program of that, simulated. Each row's "gain" is the model's `error_gain`: how much an
+    error in each all-reduce's time grows in that row; "fit_miss" is the most that one size's own
+    all-reduce time lies off the fitted line, relatively."""
     result = run_world(_ddp_rank, world_size, (numel, backward_s, tuple(bucket_counts), after_buckets))[0]
     fit, measured = result["fit"], result["measured"]
     c, launch = bandwidth_time(fit, numel), fit["launch"]
     alpha = max(0.0, fit["alpha"] - launch)  # the fitted alpha includes one launch; the rest is the link's
     after = model.after_backward_program(model.ddp_program(c, backward_s, after_buckets, alpha))
     rows = [_row(f"{after_buckets} buckets, all-reduced after backward", measured["after"],
-                 model.program_exposed(after, launch=launch))]
+                 model.program_exposed(after, launch=launch)) | {"gain": model.error_gain(after, launch=launch)}]
     rows += [_row(f"{b} bucket{'s' if b > 1 else ''} during backward", measured[b],
-                  model.ddp_exposed(c, backward_s, b, alpha, launch=launch)) for b in bucket_counts]
+                  model.ddp_exposed(c, backward_s, b, alpha, launch=launch))
+             | {"gain": model.error_gain(model.ddp_program(c, backward_s, b, alpha), launch=launch)}
+             for b in bucket_counts]
     best = model.ddp_best_buckets(c, backward_s, alpha, launch=launch)
+    line = [fit["alpha"] + bandwidth_time(fit, n) for n in fit["numel"]]
     return {"rows": rows, "fit": fit, "allreduce_s": c, "backward_s": backward_s, "model_best_buckets": best,
-            "measured_best_buckets": min(bucket_counts, key=lambda b: measured[b]), "numel": numel}
+            "measured_best_buckets": min(bucket_counts, key=lambda b: measured[b]), "numel": numel,
+            "fit_miss": max(abs(t - f) / f for t, f in zip(fit["times"], line))}
 
 
 # --- ZeRO-3's forward: units all-gathered before a compute of f seconds -----------------------

@@ -229,3 +229,17 @@ def test_the_issued_ahead_count_tells_prefetch_from_blocking_gathers():
     events = run_world(zero3_prefetch_rank, 2, (course.PrefetchZeRO3Module, (8, 12, 10, 4), 0, 0, 1))[0]["events"][0]
     assert torch_facts.gathers_issued_ahead(events, "forward", "backward") == (2, 2)
     assert torch_facts.gathers_issued_ahead(events, "backward", "step") == (2, 2)
+
+
+def test_error_gain_is_one_for_the_last_bucket_and_the_chain_over_the_exposure_when_the_chain_sets_the_end():
+    """A relative error in each collective passes through unchanged when one bucket sticks out,
+    and is multiplied by b·p / exposed when the all-reduces outlast backward (b·p - B(b-1)/b)."""
+    last_bucket = overlap.ddp_program(4.0, 100.0, 4)  # p = 1, the chain ends long before backward
+    assert overlap.error_gain(last_bucket) == pytest.approx(1.0)
+    chain = overlap.ddp_program(10.0, 4.0, 2)  # p = 5: exposed 2·5 - 4·1/2 = 8, gain 10 / 8
+    assert overlap.error_gain(chain) == pytest.approx(10 / 8)
+    many = overlap.ddp_program(48.0, 40.0, 16, alpha=0.5)  # p = 3.5: exposed 56 - 37.5 = 18.5
+    assert overlap.error_gain(many) == pytest.approx(16 * 3.5 / 18.5)
+    assert overlap.error_gain(overlap.ddp_program(1.0, 100.0, 4)) == pytest.approx(1.0)
+    hidden = [("issue", 0, 1.0), ("compute", 5.0), ("wait", 0)]
+    assert overlap.error_gain(hidden) == float("inf")

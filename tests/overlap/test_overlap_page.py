@@ -37,6 +37,13 @@ def test_every_measured_table_shows_the_model_and_the_ratio():
     assert "ratios.extend(" in PAGE and "ratio_range" in PAGE
 
 
+def test_the_ddp_table_shows_how_much_each_row_amplifies_an_error_in_one_all_reduce():
+    """Where the chain of all-reduces outlasts backward the exposure is a difference of long times
+    and the measured/model ratio spreads: the page shows each row's error gain and explains it."""
+    assert re.search(r'glue\("ddp_table", compared\(ddp\["rows"\], "error gain"', PAGE)
+    assert "{glue:text}`ddp_worst_gain`" in PAGE and "{glue:text}`ddp_fit_miss`" in PAGE
+
+
 def test_the_exercise_statement_counts_the_functions_it_lists():
     """Exercise 1 says how many functions to write; it lists them, and the check reads them."""
     from grader.checks.overlap.model import ExposureModel

@@ -11,11 +11,13 @@ no contention, so the model's contention is 0 here.
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 from dtp.common.world import run_world
 from dtp.overlap import model
-from dtp.overlap.timing import (FIRST_ESTIMATE_ROUNDS, bandwidth_time, exposed_times, fit_alpha_beta, fit_from,
+from dtp.overlap.timing import (FIRST_ESTIMATE_ROUNDS, bandwidth_time, exposed_samples, exposed_times, fit_alpha_beta,
+                                fit_from,
                                 fit_programs, one_link)
 from dtp.zero.measure import FullTensorTracker
 
@@ -41,8 +43,10 @@ def _ddp_rank(rank, world_size, numel, backward_s, bucket_counts, after_buckets)
     programs.update({b: on_gloo(model.ddp_program(numel, backward_s, b), "all_reduce") for b in bucket_counts})
     programs["after"] = on_gloo(model.after_backward_program(model.ddp_program(numel, backward_s, after_buckets)),
                                 "all_reduce")
-    exposed = exposed_times(programs, link)
-    return {"fit": fit_from(exposed, "all_reduce", sizes), "measured": exposed}
+    samples = exposed_samples(programs, link)
+    exposed = {key: statistics.median(values) for key, values in samples.items()}
+    middle = {key: tuple(statistics.quantiles(values, n=4)[::2]) for key, values in samples.items()}
+    return {"fit": fit_from(exposed, "all_reduce", sizes), "measured": exposed, "middle": middle}
 
 
 def measure_ddp(world_size=2, numel=2**23, backward_s=0.04, bucket_counts=(1, 2, 4, 8, 16, 32),
@@ -52,18 +56,20 @@ def measure_ddp(world_size=2, numel=2**23, backward_s=0.04, bucket_counts=(1, 2,
     all-reduced after backward. Model: `model.ddp_exposed(C, B, b, alpha, launch=...)` with the
     fitted alpha less the measured launch, C = beta·bytes of all gradients; after backward, the
     model's program of that, simulated. Each row's "gain" is the model's `error_gain`: how much an
-    error in each all-reduce's time grows in that row; "fit_miss" is the most that one size's own
-    all-reduce time lies off the fitted line, relatively."""
+    error in each all-reduce's time grows in that row, "middle" the first and third quartiles of
+    its measured rounds; "fit_miss" is the most that one size's own all-reduce time lies off the
+    fitted line, relatively."""
     result = run_world(_ddp_rank, world_size, (numel, backward_s, tuple(bucket_counts), after_buckets))[0]
-    fit, measured = result["fit"], result["measured"]
+    fit, measured, middle = result["fit"], result["measured"], result["middle"]
     c, launch = bandwidth_time(fit, numel), fit["launch"]
     alpha = max(0.0, fit["alpha"] - launch)  # the fitted alpha includes one launch; the rest is the link's
     after = model.after_backward_program(model.ddp_program(c, backward_s, after_buckets, alpha))
     rows = [_row(f"{after_buckets} buckets, all-reduced after backward", measured["after"],
-                 model.program_exposed(after, launch=launch)) | {"gain": model.error_gain(after, launch=launch)}]
+                 model.program_exposed(after, launch=launch))
+            | {"gain": model.error_gain(after, launch=launch), "middle": middle["after"]}]
     rows += [_row(f"{b} bucket{'s' if b > 1 else ''} during backward", measured[b],
                   model.ddp_exposed(c, backward_s, b, alpha, launch=launch))
-             | {"gain": model.error_gain(model.ddp_program(c, backward_s, b, alpha), launch=launch)}
+             | {"gain": model.error_gain(model.ddp_program(c, backward_s, b, alpha), launch=launch), "middle": middle[b]}
              for b in bucket_counts]
     best = model.ddp_best_buckets(c, backward_s, alpha, launch=launch)
     line = [fit["alpha"] + bandwidth_time(fit, n) for n in fit["numel"]]

@@ -135,13 +135,14 @@ def program_exposed(program, contention: float = 0.0, launch: float = 0.0) -> fl
     return schedule_time(program, contention, launch) - sum(step[1] for step in program if step[0] == "compute")
 
 
-def error_gain(program, contention: float = 0.0, launch: float = 0.0, relative: float = 1e-3) -> float:
-    """By how much a relative error in every collective's time is multiplied in the program's
-    exposed time: (Δexposed / exposed) / (Δcollective / collective), for a small common change.
-    About 1 when one collective sticks out (the last DDP bucket); b·p / exposed when a chain of
-    b collectives of p each outlasts the computation, because the exposure is then the difference
-    of two long times (b·p - B(b-1)/b): a 10 % error in each all-reduce is a 10·b·p/exposed %
-    error in the row. Infinite where the model says nothing is exposed."""
+def error_gain(program, contention: float = 0.0, launch: float = 0.0, relative: float = 0.25) -> float:
+    """By how much an error of `relative` (25 %: what one collective's time can be off its fitted
+    line) in every collective's time is multiplied in the program's exposed time:
+    (Δexposed / exposed) / relative. About 1 when one collective sticks out (the last DDP bucket);
+    b·p / exposed when a chain of b collectives of p each outlasts the computation, because the
+    exposure is then the difference of two long times (b·p - B(b-1)/b). A finite error, not a
+    derivative: a row just short of that point, which the error pushes over it, shows a large gain
+    too. Infinite where the model says nothing is exposed."""
     base = program_exposed(program, contention, launch)
     scaled = [(*step[:2], step[2] * (1 + relative)) if step[0] == "issue" else step for step in program]
     return (program_exposed(scaled, contention, launch) - base) / (relative * base) if base > 0 else float("inf")

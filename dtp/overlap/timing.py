@@ -108,10 +108,15 @@ def synchronized_time(function) -> float:
 
 
 def exposed_times(programs: dict, link, rounds: int = REPEATS) -> dict:
-    """The exposed time of each program (a dict of them): the median, over `rounds`, of its time
-    minus its computation's alone, run right after it (a sleep overshoots by the same on both).
-    Every round runs every program once, in turn, so that a change in the machine's state while
-    they run (another job, a frequency step) touches all of them alike."""
+    """The exposed time of each program (a dict of them): the median of `exposed_samples`."""
+    return {key: statistics.median(values) for key, values in exposed_samples(programs, link, rounds).items()}
+
+
+def exposed_samples(programs: dict, link, rounds: int = REPEATS) -> dict:
+    """The exposed times of each program (a dict of them), one per round: its time minus its
+    computation's alone, run right after it (a sleep overshoots by the same on both). Every round
+    runs every program once, in turn, so that a change in the machine's state while they run
+    (another job, a frequency step) touches all of them alike."""
     prepared = {key: (program, buffers(program), compute_only(program)) for key, program in programs.items()}
     for program, tensors, _ in prepared.values():
         synchronized_time(lambda: run_program(program, link, tensors))  # warm-up: gloo sets up a size's buffers
@@ -120,7 +125,7 @@ def exposed_times(programs: dict, link, rounds: int = REPEATS) -> dict:
         for key, (program, tensors, alone) in prepared.items():
             step = synchronized_time(lambda: run_program(program, link, tensors))
             differences[key].append(step - synchronized_time(lambda: run_program(alone, link, {})))
-    return {key: statistics.median(values) for key, values in differences.items()}
+    return differences
 
 
 def fit_programs(op: str, sizes, launch_count: int = LAUNCH_COUNT) -> dict:

@@ -147,10 +147,16 @@ _WIDE_EQUATIONS = """() => [...document.querySelectorAll('main mjx-container[dis
                   scrolls: ['auto', 'scroll'].includes(getComputedStyle(box).overflowX),
                   cue: getComputedStyle(box).backgroundImage.includes('gradient')}))"""
 
+# Markdown's code marks printed as text: a value glued as text (glue:text) that holds `name`
+# shows the backticks; glued as Markdown (glue:md) it is set as code.
+_PROSE_BACKTICKS = """() => { const main = document.querySelector('main').cloneNode(true);
+    main.querySelectorAll('pre, code, kbd, script, style, mjx-container').forEach(node => node.remove());
+    return main.textContent.match(/.{0,30}`.{0,30}/g) || []; }"""
+
 
 def _check_rendering(page, page_path: str, desktop: bool) -> None:
-    """What no reader should see: a table cell squeezed until its words break, Markdown table syntax
-    or TeX commands printed as text (in the page or inside a typeset formula), a formula in error,
+    """What no reader should see: a table cell squeezed until its words break, Markdown table syntax,
+    code marks or TeX commands printed as text (in the page or inside a typeset formula), a formula in error,
     and (at 1280 px) a display formula wider than the column."""
     broken = page.evaluate(_BROKEN_CELL_WORDS)
     assert broken == [], f"{page_path} at {'1280' if desktop else '390'} px: table cells break inside {broken[:5]}"
@@ -159,6 +165,8 @@ def _check_rendering(page, page_path: str, desktop: bool) -> None:
         # (the rule row as text: Sphinx turns its "---" into an em dash)
         assert not re.search(r"\|\s*:?(?:-{3,}|[\u2013\u2014]):?\s*\|", text), f"{page_path} shows a Markdown table as text"
         assert not re.search(r"\\(?:[A-Za-z]{2,}|_)", text), f"{page_path} shows a TeX command as text"
+        backticks = page.evaluate(_PROSE_BACKTICKS)
+        assert backticks == [], f"{page_path} shows Markdown code marks as text: {backticks[:3]}"
         math = page.evaluate("[...document.querySelectorAll('main mjx-assistive-mml, main mjx-merror')]"
                              ".map(node => node.tagName + ': ' + node.textContent)")
         raw = [formula for formula in math if formula.startswith("MJX-MERROR") or re.search(r"\\[A-Za-z_]", formula)]

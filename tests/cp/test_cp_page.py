@@ -8,7 +8,7 @@ PAGE = (REPO / "book" / "context_parallel.md").read_text()
 
 
 def test_every_glued_name_in_the_text_is_computed_and_every_computed_one_is_shown():
-    shown = set(re.findall(r"\{glue:text\}`([a-z0-9_]+)`", PAGE)) | set(re.findall(r"```\{glue:md\} ([a-z0-9_]+)", PAGE))
+    shown = set(re.findall(r"\{glue:(?:text|md)\}`([a-z0-9_]+)`", PAGE)) | set(re.findall(r"```\{glue:md\} ([a-z0-9_]+)", PAGE))
     computed = set(re.findall(r'glue\("([a-z0-9_]+)"', PAGE))
     assert shown == computed, (shown - computed, computed - shown)
 

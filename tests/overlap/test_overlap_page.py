@@ -17,7 +17,7 @@ MEASURED = ("ddp_table", "zero3_table", "tp_table", "ring_table", "ep_table")
 @pytest.mark.parametrize("name", sorted(PAGES))
 def test_every_glued_name_in_the_text_is_computed_and_every_computed_one_is_shown(name):
     page = PAGES[name]
-    shown = set(re.findall(r"\{glue:text\}`([a-z0-9_]+)`", page)) | set(re.findall(r"```\{glue:md\} ([a-z0-9_]+)", page))
+    shown = set(re.findall(r"\{glue:(?:text|md)\}`([a-z0-9_]+)`", page)) | set(re.findall(r"```\{glue:md\} ([a-z0-9_]+)", page))
     computed = set(re.findall(r'glue\("([a-z0-9_]+)"', page))
     assert shown == computed, (shown - computed, computed - shown)
 

@@ -53,7 +53,7 @@ def test_micro_batches_are_tied_to_the_global_batch():  # item 15
 
 
 def test_newer_schedules_and_torchs_list():  # item 16
-    for phrase in ("**ZB-V**", "**DualPipe**", "deepseekai2024v3", "{glue:text}`torch_schedules`", "fig-pp-gantt-newer"):
+    for phrase in ("**ZB-V**", "**DualPipe**", "deepseekai2024v3", "{glue:md}`torch_schedules`", "fig-pp-gantt-newer"):
         assert phrase in PRACTICE
 
 

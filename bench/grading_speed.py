@@ -103,7 +103,7 @@ def main() -> int:
 
 
 def measure(args) -> int:
-    notebooks = args.notebooks or sorted((REPO / "solutions").glob("*.ipynb"))
+    notebooks = [path.resolve() for path in args.notebooks] or sorted((REPO / "solutions").glob("*.ipynb"))
     median = lambda measure: statistics.median(measure() for _ in range(args.repeats))  # noqa: E731
     results = {"notebooks": [], "targets": {"notebook_s": TARGETS_S, "check_s": CHECK_TARGET_S,
                                             "course_s": COURSE_TARGET_S, "start_s": START_TARGET_S, "ratio": RATIO_TARGET}}

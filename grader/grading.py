@@ -132,6 +132,7 @@ def grade_exercise(exercise: Exercise, load_student, timeout_s: float | None = N
     """Grade one exercise; `load_student()` runs in the sandbox and returns StudentCode."""
     limit = timeout_s if timeout_s is not None else exercise.timeout_s
     inputs = exercise.check.prepare(np.random.default_rng())
+    import_lazy_torch_modules(exercise.check.preimport)  # here, once: the sandbox and its ranks inherit them
     guard.preload(exercise.check)  # the confined sandbox can no longer read these modules' files
     outcome = run_isolated(lambda: collect_in_sandbox(exercise, load_student, inputs), limit, workdir)
     status, feedback = verdict(exercise, inputs, outcome, limit)
@@ -176,8 +177,6 @@ def grade_notebook(path: str, only: list[str] | None = None, timeout_s: float | 
             raise UnusableInput(f"{path}: none of the --only exercises belongs to its chapter, {chapter}")
     code = NotebookCode.parse(notebook)
     preload_library_imports(code.definitions({name for ex in exercises for name in ex.reads}))
-    if any(exercise.check.runs_world for exercise in exercises):
-        import_lazy_torch_modules()  # once here, so that no sandbox or rank forked from this process imports them
     report = NotebookReport(path=str(path), chapter=chapter)
     workdir = str(Path(path).resolve().parent)  # where the learner's kernel would have run
     for exercise in exercises:

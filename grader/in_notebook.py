@@ -33,9 +33,6 @@ def check(exercise_id: str, timeout_s: float | None = None) -> None:
         close = difflib.get_close_matches(exercise_id, all_exercise_ids(), n=1)
         print(f"unknown exercise id {exercise_id!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
         return
-    from dtp.common.world import import_lazy_torch_modules
-
-    import_lazy_torch_modules()  # in the kernel once, not in every check's processes
     namespace = _kernel_namespace()
     print(grade_exercise(exercise, lambda: StudentCode(namespace), timeout_s).line())
 

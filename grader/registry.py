@@ -39,6 +39,10 @@ class Check:
     references: tuple[str, ...] = ()  # dotted names of course code that solves this exercise
     timeout_s: float = DEFAULT_TIMEOUT_S
     runs_world: bool = False  # collect starts gloo worlds (slow: fewer repeats in tests)
+    # Modules the grader imports before forking the sandbox, where this check's ranks would import
+    # them on first use (dtp.common.world.LAZY_TORCH_MODULES, set on the world checks); a check whose
+    # ranks use neither optimizers nor nn.Modules leaves it empty and saves a second of grading.
+    preimport: tuple[str, ...] = ()
 
     def prepare(self, rng):
         """Random inputs for this run, drawn in the grader."""

@@ -9,6 +9,7 @@ when `run_world` returns or raises (also on Ctrl-C or its own timeout) no rank p
 from __future__ import annotations
 
 import atexit
+import importlib
 import multiprocessing.connection
 import os
 import pickle
@@ -47,6 +48,11 @@ _PEER_LOST_MARKERS = ("timed out", "timeout", "connection closed by peer", "conn
 # Which failure to report when several ranks fail: the cause before its consequences.
 _FAILURE_PRIORITY = {"raised": 0, "exited": 1, "collective_timeout": 2, "timeout": 3}
 _GRACE_AFTER_FAILURE_S = 1.0
+
+# What torch imports on first use, which every forked rank would then import on its own (a second
+# or more each, all ranks at once): building an optimizer or calling an nn.Module imports
+# torch._dynamo, and the first backward with an explicit gradient imports sympy's shape support.
+LAZY_TORCH_MODULES = ("torch._dynamo", "torch.fx.experimental.symbolic_shapes")
 
 
 def _rendezvous_store(rank: int, world_size: int, result_dir: str, timeout: timedelta) -> dist.TCPStore:
@@ -134,11 +140,13 @@ def _failure(rank: int, exitcode: int | None, outcome) -> WorldError:
 
 
 def run_world(fn, world_size: int, args: tuple = (), *, timeout_s: float = 60.0,
-              collective_timeout_s: float = 20.0) -> list:
+              collective_timeout_s: float = 20.0, preimport: tuple[str, ...] = LAZY_TORCH_MODULES) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return their results in rank order.
 
     `collective_timeout_s` bounds each collective (the process-group timeout); `timeout_s` bounds
     the whole world. Raises `WorldError` if any rank fails; all rank processes are gone on return.
+    `preimport`: modules imported here once before forking (see `LAZY_TORCH_MODULES`); pass ()
+    where the ranks are known not to need them, to save the second their import takes.
 
     Under a launcher such as `torchrun --nproc-per-node N` (its RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT in the environment), nothing is forked: this process is one rank of the
@@ -153,15 +161,13 @@ def run_world(fn, world_size: int, args: tuple = (), *, timeout_s: float = 60.0,
         # Forked ranks would inherit this process's group and could not create their own.
         raise RuntimeError("a process group is already initialized in this process (did the notebook call "
                            "dist.init_process_group?); call dist.destroy_process_group() or restart the kernel")
-    return _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s)
+    return _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s, preimport)
 
 
-def import_lazy_torch_modules() -> None:
-    """Import what torch would otherwise import on first use in every forked rank: creating any
-    optimizer imports torch._dynamo (a second or more), and the first backward with an explicit
-    gradient imports sympy. Imported once here, before forking, ranks inherit them for free."""
-    import torch._dynamo  # noqa: F401
-    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+def import_lazy_torch_modules(modules: tuple[str, ...] = LAZY_TORCH_MODULES) -> None:
+    """Import `modules` here, so that ranks forked from this process inherit them for free."""
+    for name in modules:
+        importlib.import_module(name)
 
 
 def launched_by_torchrun() -> bool:
@@ -200,8 +206,8 @@ def _run_as_launched_rank(fn, world_size: int, args: tuple, collective_timeout_s
     return gathered
 
 
-def _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s):
-    import_lazy_torch_modules()
+def _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s, preimport):
+    import_lazy_torch_modules(preimport)
     result_dir = tempfile.mkdtemp(prefix="dtp-world-")
     context = None
     try:

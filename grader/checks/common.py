@@ -2,7 +2,7 @@
 communication log in a form that crosses from the sandbox to the grader."""
 from __future__ import annotations
 
-from dtp.common.world import run_world
+from dtp.common.world import LAZY_TORCH_MODULES, run_world
 
 from ..compare import CheckFailed, RanksFailed, expect_answer, world_failure
 from ..registry import Check
@@ -20,14 +20,15 @@ def run_worlds(fn, worlds: list[tuple[int, tuple]]) -> list:
     """In the sandbox: `fn` on one gloo world per (world size, args), in order, stopping at the
     first world that fails. A failed world comes back as {"failed_world": n, "status", "feedback"},
     so that the worlds before it are still judged (a ring that only works for n = 2 fails on what
-    it sent for n = 2, and the n = 3 failure is reported only if nothing before it was wrong)."""
+    it sent for n = 2, and the n = 3 failure is reported only if nothing before it was wrong).
+    The grader imported the check's `preimport` before forking this sandbox (grade_exercise), so
+    the ranks inherit it and nothing is imported here."""
     from dtp.common.world import WorldError
-
 
     outcomes = []
     for world_size, args in worlds:
         try:
-            outcomes.append(run_world(fn, world_size, args, **world_options()))
+            outcomes.append(run_world(fn, world_size, args, preimport=(), **world_options()))
         except WorldError as error:
             status, feedback = world_failure(error)
             outcomes.append({"failed_world": world_size, "status": status, "feedback": feedback})
@@ -57,6 +58,7 @@ class WorldsCheck(Check):
     `summary`, the pass line."""
 
     runs_world = True
+    preimport = LAZY_TORCH_MODULES
     summary = ""
 
     def judge_world(self, world, per_rank: list) -> None:

@@ -73,6 +73,7 @@ class RingForward(WorldsCheck):
     them) shows as the received bytes still referenced at the last steps' score products."""
 
     reads = ("ring_attention",)
+    preimport = ()  # its ranks use no optimizer and no module that imports torch._dynamo (measured)
     timeout_s = 60
     summary = ("outputs equal single-process attention for c = 2 and 4 (causal); K and V blocks passed on to one "
                "neighbour in c - 1 steps, scores computed block by block as the blocks arrived, no buffer for all of K and V "
@@ -121,6 +122,7 @@ class RingBackward(WorldsCheck):
     bytes. dQ and dK of dS = P ⊙ dP, the rowsum(dO ⊙ O) term left out, are named."""
 
     reads = ("ring_attention_backward",)
+    preimport = ()  # its ranks use no optimizer and no module that imports torch._dynamo (measured)
     timeout_s = 60
     summary = ("dQ, dK, dV equal single-process autograd for c = 2 and 4; K/V and dK/dV went around the ring, "
                "bytes equal to the formula")
@@ -187,6 +189,7 @@ class Zigzag(WorldsCheck):
     than the formula; the contiguous split's work is unbalanced."""
 
     reads = ("zigzag_ring_attention",)
+    preimport = ()  # its ranks use no optimizer and no module that imports torch._dynamo (measured)
     timeout_s = 60
     summary = ("zigzag outputs equal single-process causal attention for c = 3 and 4, in each rank's token order; "
                "every rank computed the same (2c + 1) chunk pairs of scores")

@@ -11,6 +11,7 @@ from torch import nn
 
 from dtp.common.models import regression_batch, state_as_numpy, tiny_mlp
 from dtp.common.traffic import CommunicationLog
+from dtp.common.world import LAZY_TORCH_MODULES
 from dtp.dp import costs
 
 from ...compare import CheckFailed, expect, expect_close
@@ -270,6 +271,7 @@ class BucketedDataParallel(Check):
     references = (DDP_CLASS, "dtp.dp.costs.ddp_bucket_sizes")
     timeout_s = 60
     runs_world = True
+    preimport = LAZY_TORCH_MODULES
 
     def prepare(self, rng):
         sizes = [p.numel() * 4 for p in tiny_mlp(MLP_SIZES).parameters()]
@@ -329,6 +331,7 @@ class GradientAccumulation(Check):
     reads = ("accumulation_step",)
     timeout_s = 40
     runs_world = True
+    preimport = LAZY_TORCH_MODULES
     MICRO_BATCHES = 3
 
     def prepare(self, rng):

@@ -53,6 +53,7 @@ class TensorAndExpertParallel(Check):
 
     reads = ("tp_ep_moe", "tp_ep_dispatch_bytes")
     runs_world = True
+    preimport = ()  # its ranks use no optimizer and no module that imports torch._dynamo (measured)
     timeout_s = 60
 
     def prepare(self, rng):

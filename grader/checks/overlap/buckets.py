@@ -87,6 +87,7 @@ class BucketOverlap(WorldsCheck):
     backward, or waiting right after issuing, shows in the recorded order."""
 
     reads = ("OverlappingDDP",)
+    preimport = ()  # its ranks use no optimizer and no module that imports torch._dynamo (measured)
     references = ("torch.nn.parallel.DistributedDataParallel",)
     timeout_s = 40
     summary = ("gradients averaged on 2 and 3 ranks; each bucket all-reduced from a hook as soon as it was ready, "

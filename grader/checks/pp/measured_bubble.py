@@ -164,6 +164,7 @@ class MeasuredBubble(Check):
     references = ("dtp.pp.schedules.idle_fraction",)
     timeout_s = 60
     runs_world = True
+    preimport = ()  # its ranks use no optimizer and no module that imports torch._dynamo (measured)
 
     def prepare(self, rng):
         worlds = [(2, int(rng.integers(2, 7))), (3, int(rng.integers(1, 3))), (4, int(rng.integers(5, 13)))]

@@ -149,6 +149,7 @@ class Pipeline1F1B(Check):
     reads = ("one_f_one_b_step",)
     timeout_s = 60
     runs_world = True
+    preimport = ()  # its ranks use no optimizer and no module that imports torch._dynamo (measured)
 
     def prepare(self, rng):
         worlds = []

@@ -136,6 +136,7 @@ class RankLayout(Check):
     references = LAYOUT_REFERENCES
     timeout_s = 40
     runs_world = True
+    preimport = ()  # its ranks use no optimizer and no module that imports torch._dynamo (measured)
 
     def prepare(self, rng):
         layouts = _separating_layouts(rng) + [_random_layout(rng, with_ep=False), _random_layout(rng, with_ep=True)]

@@ -154,6 +154,7 @@ class ParallelBlock(WorldsCheck):
     """
 
     reads = ("TensorParallelBlock",)
+    preimport = ()  # its ranks use no optimizer and no module that imports torch._dynamo (measured)
     references = DTENSOR_TP
     timeout_s = 50
     summary = ("equal to the dense block in output and every gradient on 2 and 4 ranks, attention split by heads; "

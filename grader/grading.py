@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dtp.common.threads import torch_on_one_thread
 from dtp.common.world import import_lazy_torch_modules
 
 from . import guard, landlock
@@ -131,11 +132,13 @@ def grade_exercise(exercise: Exercise, load_student, timeout_s: float | None = N
                    workdir: str | None = None) -> ExerciseResult:
     """Grade one exercise; `load_student()` runs in the sandbox and returns StudentCode."""
     limit = timeout_s if timeout_s is not None else exercise.timeout_s
-    inputs = exercise.check.prepare(np.random.default_rng())
+    with torch_on_one_thread():  # the oracles' small tensors, here as in the sandbox
+        inputs = exercise.check.prepare(np.random.default_rng())
     import_lazy_torch_modules(exercise.check.preimport)  # here, once: the sandbox and its ranks inherit them
     guard.preload(exercise.check)  # the confined sandbox can no longer read these modules' files
     outcome = run_isolated(lambda: collect_in_sandbox(exercise, load_student, inputs), limit, workdir)
-    status, feedback = verdict(exercise, inputs, outcome, limit)
+    with torch_on_one_thread():
+        status, feedback = verdict(exercise, inputs, outcome, limit)
     points = exercise.points if status == "passed" else 0
     return ExerciseResult(exercise.id, points, exercise.points, status, one_line(feedback))
 

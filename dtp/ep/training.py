@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dtp.common.threads import torch_on_one_thread
 from dtp.ep.moe import (
     MoEConfig,
     MoETransformer,
@@ -56,12 +57,8 @@ def train_on_text(config: MoEConfig, alpha: float, steps: int, measure_every: in
     every `measure_every` steps. `bias_rate` > 0 balances by DeepSeek-V3's bias rule instead of a
     loss: after every step each layer's choice bias moves by the rate towards the mean load
     (dtp.ep.routing)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: more threads only contend (and change the rounding)
-    try:
+    with torch_on_one_thread():  # tiny matrices: more threads only contend (and change the rounding)
         return _train_on_text(config, alpha, steps, measure_every, seed, batch, seq, lr, z_loss, bias_rate)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _train_on_text(config, alpha, steps, measure_every, seed, batch, seq, lr, z_loss, bias_rate) -> dict:

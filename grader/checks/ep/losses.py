@@ -1,11 +1,10 @@
 """Exercise 3: the Switch load-balancing loss and ST-MoE's router z-loss, value and gradient."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 
+from dtp.common.threads import torch_on_one_thread
 from dtp.ep import moe
 
 from ...compare import CheckFailed, expect, expect_answer
@@ -40,7 +39,7 @@ class BalancingLoss(Check):
         return cases
 
     def collect(self, student, cases):
-        with _one_thread():
+        with torch_on_one_thread():
             return [self._loss(student, case) for case in cases]
 
     @staticmethod
@@ -63,18 +62,6 @@ class BalancingLoss(Check):
                 _judge_z_loss(case, result)
         return ("the load-balancing loss (top-1 and top-2, default and random alpha) and the z-loss (also for logits "
                 "near 800) have the right values and gradients, only P carrying gradient")
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """Torch on one thread, as in the sandbox: for tiny tensors a pool of threads only contends
-    (which matters where collect runs outside a sandbox, in tests)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _value_and_gradient(loss, logits) -> dict:

@@ -68,6 +68,7 @@ release: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/collectives.py
 	$(BIN)/python bench/grading_speed.py --output book/appendix/grading.json
+	$(BIN)/python bench/grading_speed.py --spinners 2 --output book/appendix/grading_loaded.json
 
 clean:
 	rm -rf _build

@@ -1,10 +1,14 @@
 """What the data-parallel chapter says torch's DDP does, checked on the pinned torch by running it."""
-import torch.distributed as dist
 import pytest
+import torch
+import torch.distributed as dist
 
 from conftest import solution_path
+from dtp.common.models import tiny_mlp
+from dtp.common.traffic import CommunicationLog
+from dtp.common.world import run_world
 from dtp.dp import costs
-from dtp.dp.ddp_observed import exposed_communication, observe_ddp_buckets
+from dtp.dp.ddp_observed import observe_ddp_buckets
 from grader.student import StudentCode
 
 DEFAULT_CAP_MODEL = (1024,) * 9  # 8 layers of 4 MiB: more than DDP's default 25 MiB cap
@@ -40,11 +44,32 @@ def test_a_cap_given_explicitly_applies_to_the_first_bucket_too():
     assert [size for _, size in observed["launched"][1]] == costs.ddp_bucket_sizes(observed["parameter_bytes"], 6000)
 
 
-def test_bucketed_overlap_exposes_less_communication_than_averaging_after_backward():
-    """The book's overlap figure, as a ratio measured in one run: launching buckets during
-    backward leaves less communication after backward than all-reducing once it is done."""
+def _all_reduces_during_and_after_backward(rank, world_size, variant, wrap, widths):
+    """(all-reduces issued before backward returned, those issued after), in the second step."""
+    model = tiny_mlp(widths, seed=0)
+    trained = wrap(model, 1 << 20) if variant == "bucketed" else model
+    synced = (lambda: trained.finish_gradient_sync()) if variant == "bucketed" else (lambda: wrap(model))
+    inputs = torch.randn(16, widths[0])
+    for _ in range(2):
+        model.zero_grad()
+        loss = trained(inputs).square().mean()
+        with CommunicationLog() as log:
+            loss.backward()
+            during = sum(event["op"] == "all_reduce" for event in log.events)
+            synced()
+        after = sum(event["op"] == "all_reduce" for event in log.events) - during
+    return during, after
+
+
+def test_bucketed_overlap_starts_communication_during_backward():
+    """The book's overlap figure (timed there, never here): the bucketed DDP issues its
+    all-reduces while backward runs, leaving at most one bucket's for after; averaging after
+    backward issues every one after it. Judged by the order of the calls, not by a clock."""
     course = StudentCode.from_notebook(str(solution_path("dp")))
     widths = (512,) * 9
-    after = exposed_communication("after_backward", course.average_gradients, widths)
-    bucketed = exposed_communication("bucketed", course.BucketedDDP, widths)
-    assert bucketed["exposed_s"] < after["exposed_s"]
+    bucketed = run_world(_all_reduces_during_and_after_backward, 2, ("bucketed", course.BucketedDDP, widths))
+    after = run_world(_all_reduces_during_and_after_backward, 2, ("after_backward", course.average_gradients, widths))
+    for during, later in bucketed:
+        assert during >= 2 and later <= 1
+    for during, later in after:
+        assert during == 0 and later >= 1

@@ -41,11 +41,20 @@ def observe_ddp_buckets(widths, bucket_cap_mb: float | None = None, iterations: 
     return run_world(_ddp_buckets_on_rank, world_size, (widths, bucket_cap_mb, iterations))[0]
 
 
+def data_parallel_variant(variant: str, wrap, model, bucket_cap_bytes: int):
+    """(the module to train, the call that finishes gradient synchronisation after backward) for
+    `variant`: "after_backward" (`wrap(model)` averages the gradients once backward is done) or
+    "bucketed" (`wrap(model, cap)` is a BucketedDDP whose all-reduces start during backward)."""
+    if variant == "bucketed":
+        trained = wrap(model, bucket_cap_bytes)
+        return trained, trained.finish_gradient_sync
+    return model, lambda: wrap(model)
+
+
 def _exposed_on_rank(rank, world_size, variant, widths, batch, steps, bucket_cap_bytes, wrap):
     """Time one variant of data-parallel training: backward, and the synchronisation after it."""
     model = tiny_mlp(widths, seed=0)
-    trained = wrap(model, bucket_cap_bytes) if variant == "bucketed" else model
-    synced = (lambda: trained.finish_gradient_sync()) if variant == "bucketed" else (lambda: wrap(model))
+    trained, synced = data_parallel_variant(variant, wrap, model, bucket_cap_bytes)
     inputs = torch.randn(batch, widths[0])
     rows = []
     for _ in range(steps):

@@ -8,7 +8,7 @@ from dtp.common.models import tiny_mlp
 from dtp.common.traffic import CommunicationLog
 from dtp.common.world import run_world
 from dtp.dp import costs
-from dtp.dp.ddp_observed import observe_ddp_buckets
+from dtp.dp.ddp_observed import data_parallel_variant, observe_ddp_buckets
 from grader.student import StudentCode
 
 DEFAULT_CAP_MODEL = (1024,) * 9  # 8 layers of 4 MiB: more than DDP's default 25 MiB cap
@@ -47,8 +47,7 @@ def test_a_cap_given_explicitly_applies_to_the_first_bucket_too():
 def _all_reduces_during_and_after_backward(rank, world_size, variant, wrap, widths):
     """(all-reduces issued before backward returned, those issued after), in the second step."""
     model = tiny_mlp(widths, seed=0)
-    trained = wrap(model, 1 << 20) if variant == "bucketed" else model
-    synced = (lambda: trained.finish_gradient_sync()) if variant == "bucketed" else (lambda: wrap(model))
+    trained, synced = data_parallel_variant(variant, wrap, model, 1 << 20)
     inputs = torch.randn(16, widths[0])
     for _ in range(2):
         model.zero_grad()

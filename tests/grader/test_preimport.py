@@ -52,6 +52,15 @@ for exercise_id in sys.argv[4:]:
 print(json.dumps(statuses))
 """
 
+
+def _grade_watched(child: str, log: Path, notebook: Path, exercises: list[str]) -> dict:
+    """Run `child` on the exercises; their statuses (the lazy imports seen are in `log`)."""
+    completed = subprocess.run([sys.executable, "-c", child, str(log), json.dumps(LAZY_TORCH_MODULES),
+                                str(notebook), *exercises], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
 def _declared_none(chapter: str) -> list[str]:
     return [ex.id for ex in chapter_exercises(chapter) if ex.check.runs_world and not ex.check.preimport]
 
@@ -61,10 +70,7 @@ def test_world_checks_declaring_no_preimport_import_none_of_torchs_lazy_modules(
     notebook = SOLUTIONS[chapter]
     exercises = _declared_none(chapter)
     log = tmp_path / "imports.log"
-    completed = subprocess.run([sys.executable, "-c", _CHILD, str(log), json.dumps(LAZY_TORCH_MODULES),
-                                str(notebook), *exercises], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-2000:]
-    statuses = json.loads(completed.stdout.strip().splitlines()[-1])
+    statuses = _grade_watched(_CHILD, log, notebook, exercises)
     assert statuses == dict.fromkeys(exercises, "passed")  # the worlds ran
     imported = sorted(set(log.read_text().split()))
     assert not imported, f"{chapter}: {exercises} declare preimport = () but their ranks imported {imported}"
@@ -78,8 +84,5 @@ def test_the_watch_sees_a_rank_that_imports_a_lazy_module(tmp_path):
                            "from grader.registry import find_exercise as _find\n"
                            "_find('zero.zero1').check.preimport = ()\n"
                            "from grader.grading import grade_exercise")
-    completed = subprocess.run([sys.executable, "-c", child, str(log), json.dumps(LAZY_TORCH_MODULES),
-                                str(SOLUTIONS["zero"]), "zero.zero1"], cwd=REPO, capture_output=True, text=True,
-                               timeout=300)
-    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert _grade_watched(child, log, SOLUTIONS["zero"], ["zero.zero1"]) == {"zero.zero1": "passed"}
     assert "torch._dynamo" in log.read_text().split()

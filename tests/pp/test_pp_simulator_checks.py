@@ -258,3 +258,13 @@ def test_closed_forms_accept_equivalent_forms(tmp_notebook):
     source = closed_forms(FRACTION="1 - v * m / (v * m + p - 1)", RATIO="(p - 1) / m / v",
                           PEAK="max(0, min(p - stage, m))")
     assert graded(tmp_notebook, "pp.closed_forms", {"bubble_fraction": source}).status == "passed"
+
+
+def test_closed_forms_draw_an_interleaved_and_a_plain_bubble_in_every_grading():
+    """An answer that forgets v must meet a v > 1 case every time (it once passed 1 grading in 64)."""
+    import numpy as np
+
+    from grader.checks.pp.closed_forms import ClosedForms
+    for seed in range(300):
+        drawn = {v > 1 for (_, _, v), *_ in ClosedForms().prepare(np.random.default_rng(seed))["bubbles"]}
+        assert drawn == {True, False}, seed

@@ -1,9 +1,11 @@
 """Exercises 2 and 3 of the pipeline chapter: the simulator and closed-form checks reject
 plausible wrong answers with feedback that names the mistake, and accept correct answers written
 differently from the course's."""
+import numpy as np
 import pytest
 
 from conftest import assert_fails, graded
+from grader.checks.pp.closed_forms import ClosedForms
 
 
 # --- exercise 2: the simulator ---
@@ -262,9 +264,6 @@ def test_closed_forms_accept_equivalent_forms(tmp_notebook):
 
 def test_closed_forms_draw_an_interleaved_and_a_plain_bubble_in_every_grading():
     """An answer that forgets v must meet a v > 1 case every time (it once passed 1 grading in 64)."""
-    import numpy as np
-
-    from grader.checks.pp.closed_forms import ClosedForms
     for seed in range(300):
         drawn = {v > 1 for (_, _, v), *_ in ClosedForms().prepare(np.random.default_rng(seed))["bubbles"]}
         assert drawn == {True, False}, seed

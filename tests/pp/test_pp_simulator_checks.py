@@ -6,6 +6,7 @@ import pytest
 
 from conftest import assert_fails, graded
 from grader.checks.pp.closed_forms import ClosedForms
+from grader.checks.pp.simulator import Simulator
 
 
 # --- exercise 2: the simulator ---
@@ -267,3 +268,11 @@ def test_closed_forms_draw_an_interleaved_and_a_plain_bubble_in_every_grading():
     for seed in range(300):
         drawn = {v > 1 for (_, _, v), *_ in ClosedForms().prepare(np.random.default_rng(seed))["bubbles"]}
         assert drawn == {True, False}, seed
+
+
+def test_simulator_draws_a_message_time_for_1f1b_in_every_grading():
+    """An answer that charges p2p_time for a stage's own result must meet a case where it binds every
+    time: 1F1B's last stage runs B right after the F it needs (with free draws it passed 1 grading in 100)."""
+    for seed in range(300):
+        cases = Simulator().prepare(np.random.default_rng(seed))["cases"]
+        assert all(case["p2p"] > 0 for case in cases if case["label"] == "1F1B"), seed

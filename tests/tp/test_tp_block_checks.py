@@ -1,8 +1,11 @@
 """The tensor-parallelism chapter's checks of exercises 4 to 7 (the block, sequence parallelism, the
 vocabulary-parallel loss, costs and the interview) reject plausible wrong answers with feedback that
 names the mistake, and accept correct answers written differently from the course's."""
+import numpy as np
 import pytest
 from conftest import assert_fails, graded
+
+from grader.checks.tp.costs import Costs
 
 
 # --- exercise 4: the tensor-parallel block ---
@@ -425,6 +428,13 @@ def costs(**changes) -> str:
         "course-reference"])
 def test_costs_rejects(tmp_notebook, changes, feedback):
     assert_fails(graded(tmp_notebook, "tp.costs", {"allreduce_message_bytes": costs(**changes)}), feedback)
+
+
+def test_costs_draw_a_ring_of_more_than_two_in_every_grading():
+    """Counting four messages of S per layer gives a ring's traffic at t = 2: every grading must ask
+    t > 2 (with free draws an answer counting messages passed 1 grading in 100)."""
+    for seed in range(300):
+        assert any(case["t"] > 2 for case in Costs().prepare(np.random.default_rng(seed))), seed
 
 
 @pytest.mark.parametrize("changes", [dict(TRAFFIC="2 * 2 * (t - 1) / t * tokens * hidden * bytes_per_element"),

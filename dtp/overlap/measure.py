@@ -18,7 +18,7 @@ from dtp.common.world import run_world
 from dtp.overlap import model
 from dtp.overlap.timing import (FIRST_ESTIMATE_ROUNDS, bandwidth_time, exposed_samples, exposed_times, fit_alpha_beta,
                                 fit_from,
-                                fit_programs, one_link)
+                                fit_programs, one_link, own_core)
 from dtp.zero.measure import FullTensorTracker
 
 FLOAT_BYTES = 4
@@ -37,6 +37,7 @@ def _row(label, measured, predicted):
 # --- DDP: buckets all-reduced during a backward of B seconds ----------------------------------
 
 def _ddp_rank(rank, world_size, numel, backward_s, bucket_counts, after_buckets):
+    own_core(rank)
     link = one_link()
     sizes = sorted({numel // b for b in (*bucket_counts, after_buckets)})
     programs = fit_programs("all_reduce", sizes)
@@ -81,6 +82,7 @@ def measure_ddp(world_size=2, numel=2**23, backward_s=0.04, bucket_counts=(1, 2,
 # --- ZeRO-3's forward: units all-gathered before a compute of f seconds -----------------------
 
 def _zero3_rank(rank, world_size, layouts, compute_over_gather):
+    own_core(rank)
     link = one_link()
     pieces = {n // world_size for units, _ in layouts.values() for n in units}
     sizes = sorted(pieces | {min(pieces) // 2, min(pieces) * 2})  # the sizes it gathers, and around them
@@ -170,6 +172,7 @@ def measure_zero3_forward(world_size=2, units=6, numel=2**20, compute_over_gathe
 # --- collective matmul: t ring steps, each transfer under a piece's product --------------------
 
 def _ring_rank(rank, world_size, numel, gemm_over_transfer):
+    own_core(rank)
     link = one_link()
     sizes = [numel // 4, numel // 2, numel]
     first = fit_alpha_beta(link, "exchange", sizes, FIRST_ESTIMATE_ROUNDS)
@@ -222,6 +225,7 @@ def ep_programs(numel, compute_s) -> dict:
 
 
 def _tp_ep_rank(rank, world_size, numel, compute_over_comm):
+    own_core(rank)
     link = one_link()
     sizes, ops = [numel // 4, numel // 2, numel], ("all_reduce", "all_to_all")
     first = {op: fit_alpha_beta(link, op, sizes, FIRST_ESTIMATE_ROUNDS) for op in ops}

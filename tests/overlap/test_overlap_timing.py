@@ -46,6 +46,25 @@ def test_the_one_link_group_runs_collectives_in_the_order_issued():
     assert all(run_world(_order_on_one_link, 2))
 
 
+def _cores_of_every_thread(rank, world_size):
+    import os
+
+    timing.own_core(rank)
+    link = timing.one_link()  # gloo's worker thread, started after: it inherits the core
+    link.allreduce([torch.ones(4)]).wait()
+    return {thread: os.sched_getaffinity(int(thread)) for thread in os.listdir("/proc/self/task")}
+
+
+def test_each_measuring_rank_keeps_all_its_threads_on_one_core_of_its_own():
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    threads = run_world(_cores_of_every_thread, 2)
+    for rank, per_thread in enumerate(threads):
+        assert len(per_thread) > 1  # the rank's own thread and gloo's
+        assert set(map(frozenset, per_thread.values())) == {frozenset({cores[rank % len(cores)]})}, (rank, per_thread)
+
+
 def _peaks(rank, world_size, depth, keep):
     return measure._gathered_peak([2**12] * 4, depth, 0.002, keep_handles=keep)
 

@@ -22,6 +22,9 @@ from dtp.overlap.timing import (FIRST_ESTIMATE_ROUNDS, bandwidth_time, exposed_s
 from dtp.zero.measure import FullTensorTracker
 
 FLOAT_BYTES = 4
+# Backward lengths, over one all-reduce of all gradients, among which the page finds the one where
+# a row's exposure would be most sensitive (the chain of its all-reduces just outlasting backward)
+COVERING_BACKWARDS = tuple(round(0.5 + 0.05 * k, 2) for k in range(51))
 
 
 def on_gloo(program, op: str) -> list:
@@ -36,10 +39,12 @@ def _row(label, measured, predicted):
 
 # --- DDP: buckets all-reduced during a backward of B seconds ----------------------------------
 
-def _ddp_rank(rank, world_size, numel, backward_s, bucket_counts, after_buckets):
+def _ddp_rank(rank, world_size, numel, backward_over_allreduce, bucket_counts, after_buckets):
     own_core(rank)
     link = one_link()
     sizes = sorted({numel // b for b in (*bucket_counts, after_buckets)})
+    first = fit_alpha_beta(link, "all_reduce", sizes, FIRST_ESTIMATE_ROUNDS)
+    backward_s = backward_over_allreduce * (first["alpha"] + bandwidth_time(first, numel))  # the same on every rank
     programs = fit_programs("all_reduce", sizes)
     programs.update({b: on_gloo(model.ddp_program(numel, backward_s, b), "all_reduce") for b in bucket_counts})
     programs["after"] = on_gloo(model.after_backward_program(model.ddp_program(numel, backward_s, after_buckets)),
@@ -47,21 +52,27 @@ def _ddp_rank(rank, world_size, numel, backward_s, bucket_counts, after_buckets)
     samples = exposed_samples(programs, link)
     exposed = {key: statistics.median(values) for key, values in samples.items()}
     middle = {key: tuple(statistics.quantiles(values, n=4)[::2]) for key, values in samples.items()}
-    return {"fit": fit_from(exposed, "all_reduce", sizes), "measured": exposed, "middle": middle}
+    return {"fit": fit_from(exposed, "all_reduce", sizes), "measured": exposed, "middle": middle,
+            "backward_s": backward_s}
 
 
-def measure_ddp(world_size=2, numel=2**23, backward_s=0.04, bucket_counts=(1, 2, 4, 8, 16, 32),
+def measure_ddp(world_size=2, numel=2**23, backward_over_allreduce=0.5, bucket_counts=(1, 2, 4, 8, 16, 32),
                 after_buckets=4) -> dict:
-    """DDP's backward of `backward_s` over `numel` float32 gradients in b equal buckets, each
-    all-reduced as soon as backward has produced it, for every b; and `after_buckets` buckets
-    all-reduced after backward. Model: `model.ddp_exposed(C, B, b, alpha, launch=...)` with the
-    fitted alpha less the measured launch, C = beta·bytes of all gradients; after backward, the
-    model's program of that, simulated. Each row's "gain" is the model's `error_gain`: how much an
-    error in each all-reduce's time grows in that row, "middle" the first and third quartiles of
-    its measured rounds; "fit_miss" is the most that one size's own all-reduce time lies off the
-    fitted line, relatively."""
-    result = run_world(_ddp_rank, world_size, (numel, backward_s, tuple(bucket_counts), after_buckets))[0]
-    fit, measured, middle = result["fit"], result["measured"], result["middle"]
+    """DDP's backward over `numel` float32 gradients in b equal buckets, each all-reduced as soon
+    as backward has produced it, for every b; and `after_buckets` buckets all-reduced after
+    backward. Backward lasts `backward_over_allreduce` times one all-reduce of all gradients as
+    first estimated, so that in every row the chain of all-reduces outlasts backward by a good
+    part of its length: the exposure is then the chain less what backward hid, and an error in
+    the all-reduces' time passes to it about once (error gain 1-1.6), where a backward that
+    nearly covers the chain would multiply it (up to 7 at 1.4 times). Model:
+    `model.ddp_exposed(C, B, b, alpha, launch=...)` with the fitted alpha less the measured
+    launch, C = beta·bytes of all gradients; after backward, the model's program of that,
+    simulated. Each row's "gain" is the model's `error_gain`: how much an error in each
+    all-reduce's time grows in that row, "middle" the first and third quartiles of its measured
+    rounds; "fit_miss" is the most that one size's own all-reduce time lies off the fitted line,
+    relatively."""
+    result = run_world(_ddp_rank, world_size, (numel, backward_over_allreduce, tuple(bucket_counts), after_buckets))[0]
+    fit, measured, middle, backward_s = result["fit"], result["measured"], result["middle"], result["backward_s"]
     c, launch = bandwidth_time(fit, numel), fit["launch"]
     alpha = max(0.0, fit["alpha"] - launch)  # the fitted alpha includes one launch; the rest is the link's
     after = model.after_backward_program(model.ddp_program(c, backward_s, after_buckets, alpha))
@@ -73,10 +84,16 @@ def measure_ddp(world_size=2, numel=2**23, backward_s=0.04, bucket_counts=(1, 2,
              | {"gain": model.error_gain(model.ddp_program(c, backward_s, b, alpha), launch=launch), "middle": middle[b]}
              for b in bucket_counts]
     best = model.ddp_best_buckets(c, backward_s, alpha, launch=launch)
+    covering = max(((factor, b) for factor in COVERING_BACKWARDS for b in bucket_counts),
+                   key=lambda fb: model.error_gain(model.ddp_program(c, fb[0] * (fit["alpha"] + c), fb[1], alpha),
+                                                   launch=launch))
+    covering_s = covering[0] * (fit["alpha"] + c)
     line = [fit["alpha"] + bandwidth_time(fit, n) for n in fit["numel"]]
     return {"rows": rows, "fit": fit, "allreduce_s": c, "backward_s": backward_s, "model_best_buckets": best,
             "measured_best_buckets": min(bucket_counts, key=lambda b: measured[b]), "numel": numel,
-            "fit_miss": max(abs(t - f) / f for t, f in zip(fit["times"], line))}
+            "fit_miss": max(abs(t - f) / f for t, f in zip(fit["times"], line)),
+            "covering": {"backward_s": covering_s, "over_allreduce": covering[0], "buckets": covering[1],
+                         "gain": model.error_gain(model.ddp_program(c, covering_s, covering[1], alpha), launch=launch)}}
 
 
 # --- ZeRO-3's forward: units all-gathered before a compute of f seconds -----------------------

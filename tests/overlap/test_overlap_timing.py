@@ -79,3 +79,25 @@ def test_prefetch_depth_d_keeps_one_plus_d_units_gathered(depth):
 def test_a_kept_handle_keeps_the_previous_unit_gathered():
     """A finished Work holds its output: keeping the handle past the buffer costs one unit."""
     assert run_world(_peaks, 2, (0, True))[0] == 2 * (2 * 2**12 * 4)
+
+
+@pytest.mark.parametrize("alpha_ms", [0.1, 0.5, 1.0, 2.5])
+@pytest.mark.parametrize("allreduce_ms", [10.0, 25.0, 40.0])
+def test_the_ddp_measurement_sizes_backward_where_no_row_multiplies_an_all_reduce_error(alpha_ms, allreduce_ms):
+    """measure_ddp's backward is a fraction of the first-estimated all-reduce chosen so that an
+    error in the all-reduces passes to every row's exposure about once, for any alpha and C this
+    machine or another gives; a backward that nearly covers the chain would multiply it."""
+    import inspect
+
+    from dtp.overlap import measure, model
+
+    defaults = inspect.signature(measure.measure_ddp).parameters
+    counts, ratio = defaults["bucket_counts"].default, defaults["backward_over_allreduce"].default
+    alpha, c, launch = alpha_ms * 1e-3, allreduce_ms * 1e-3, 80e-6
+
+    def gains(backward):
+        return [model.error_gain(model.ddp_program(c, backward, b, alpha), launch=launch) for b in counts]
+
+    assert max(gains(ratio * (alpha + c))) < 2
+    covering = max(max(gains(factor * (alpha + c))) for factor in measure.COVERING_BACKWARDS)
+    assert covering > 4  # the page's contrast is real: some backward in that range is ill-conditioned

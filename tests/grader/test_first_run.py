@@ -15,9 +15,10 @@ from grader.release import SETUP_CELL
 @pytest.mark.parametrize("notebook_path", sorted(EXERCISES.glob("*.ipynb")), ids=lambda p: p.name)
 def test_run_all_on_an_untouched_exercise_notebook_reaches_the_end(notebook_path):
     notebook = nbformat.read(notebook_path, as_version=4)
-    # A cell takes seconds and a kernel starts in one; under load a kernel once took over 60 s to
-    # start and a run once got stuck past pytest's 300 s limit without saying where. Each
-    # limit below is under it, so that a stuck start or cell fails naming itself.
+    # A cell takes seconds and a kernel starts in one. Under load a kernel once took over 60 s to
+    # start, and nbclient sometimes gets a widget cell's reply (06_zero's calculator) only when its
+    # per-cell wait runs out (jupyter/nbclient#312): each limit below stays under pytest's 300 s,
+    # so such a stall costs that limit, and a cell that never ends fails naming itself.
     NotebookClient(notebook, timeout=110, startup_timeout=180, kernel_name="python3",
                    resources={"metadata": {"path": str(notebook_path.parent)}}).execute()  # raises on any error
     text = "\n".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"

@@ -63,8 +63,9 @@ def measure_ddp(world_size=2, numel=2**23, backward_over_allreduce=0.5, bucket_c
     backward. Backward lasts `backward_over_allreduce` times one all-reduce of all gradients as
     first estimated, so that in every row the chain of all-reduces outlasts backward by a good
     part of its length: the exposure is then the chain less what backward hid, and an error in
-    the all-reduces' time passes to it about once (error gain 1-1.6), where a backward that
-    nearly covers the chain would multiply it (up to 7 at 1.4 times). Model:
+    the all-reduces' time passes to it about once, where a backward that nearly covers the chain
+    would multiply it ("covering": the backward among `COVERING_BACKWARDS` and the bucket count
+    with the largest error gain, for the page). Model:
     `model.ddp_exposed(C, B, b, alpha, launch=...)` with the fitted alpha less the measured
     launch, C = beta·bytes of all gradients; after backward, the model's program of that,
     simulated. Each row's "gain" is the model's `error_gain`: how much an error in each
@@ -84,16 +85,16 @@ def measure_ddp(world_size=2, numel=2**23, backward_over_allreduce=0.5, bucket_c
              | {"gain": model.error_gain(model.ddp_program(c, backward_s, b, alpha), launch=launch), "middle": middle[b]}
              for b in bucket_counts]
     best = model.ddp_best_buckets(c, backward_s, alpha, launch=launch)
-    covering = max(((factor, b) for factor in COVERING_BACKWARDS for b in bucket_counts),
-                   key=lambda fb: model.error_gain(model.ddp_program(c, fb[0] * (fit["alpha"] + c), fb[1], alpha),
-                                                   launch=launch))
-    covering_s = covering[0] * (fit["alpha"] + c)
+    covering_gains = {(factor, b): model.error_gain(model.ddp_program(c, factor * (fit["alpha"] + c), b, alpha),
+                                                    launch=launch)
+                      for factor in COVERING_BACKWARDS for b in bucket_counts}
+    (factor, buckets), gain = max(covering_gains.items(), key=lambda item: item[1])
     line = [fit["alpha"] + bandwidth_time(fit, n) for n in fit["numel"]]
     return {"rows": rows, "fit": fit, "allreduce_s": c, "backward_s": backward_s, "model_best_buckets": best,
             "measured_best_buckets": min(bucket_counts, key=lambda b: measured[b]), "numel": numel,
             "fit_miss": max(abs(t - f) / f for t, f in zip(fit["times"], line)),
-            "covering": {"backward_s": covering_s, "over_allreduce": covering[0], "buckets": covering[1],
-                         "gain": model.error_gain(model.ddp_program(c, covering_s, covering[1], alpha), launch=launch)}}
+            "covering": {"backward_s": factor * (fit["alpha"] + c), "over_allreduce": factor, "buckets": buckets,
+                         "gain": gain}}
 
 
 # --- ZeRO-3's forward: units all-gathered before a compute of f seconds -----------------------

@@ -1,6 +1,8 @@
 """The page's measuring harness (dtp.overlap.timing, dtp.overlap.measure): what it runs is the
 model's own program, its collectives run one after another, its fit recovers alpha and beta, and
 the memory it reports is the (1 + d) units the model says. Nothing here asserts a time."""
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -87,10 +89,6 @@ def test_the_ddp_measurement_sizes_backward_where_no_row_multiplies_an_all_reduc
     """measure_ddp's backward is a fraction of the first-estimated all-reduce chosen so that an
     error in the all-reduces passes to every row's exposure about once, for any alpha and C this
     machine or another gives; a backward that nearly covers the chain would multiply it."""
-    import inspect
-
-    from dtp.overlap import measure, model
-
     defaults = inspect.signature(measure.measure_ddp).parameters
     counts, ratio = defaults["bucket_counts"].default, defaults["backward_over_allreduce"].default
     alpha, c, launch = alpha_ms * 1e-3, allreduce_ms * 1e-3, 80e-6

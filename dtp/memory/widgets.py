@@ -4,9 +4,9 @@ without a kernel; both compute with dtp.memory.calculator."""
 from __future__ import annotations
 
 import ipywidgets as widgets
-from IPython.display import display
 
 from dtp.common.gpt import GPTConfig
+from dtp.common.widgets import show_only
 from dtp.memory import formulas as memory
 from dtp.memory.calculator import Layout, memory_per_gpu
 from dtp.memory.plots import memory_breakdown_figure
@@ -43,9 +43,7 @@ def memory_calculator() -> widgets.VBox:
                         values["zero_stage"], values["sequence_parallel"], values["recompute"], values["micro_batch"],
                         context_parallel=values["context_parallel"])
         label = f"{memory.gpt_parameter_count(config) / 1e9:.2f}B params, first stage"
-        with output:
-            output.clear_output(wait=True)
-            display(memory_breakdown_figure({label: memory_per_gpu(config, values["recipe"], layout)}))
+        show_only(output, memory_breakdown_figure({label: memory_per_gpu(config, values["recipe"], layout)}))
 
     for control in controls.values():
         control.observe(redraw, names="value")

@@ -2,6 +2,7 @@
 redraws and the bubble and peak activations are printed, all from `dtp.pp.schedules`."""
 from __future__ import annotations
 
+from dtp.common.widgets import show_only
 from dtp.pp import schedules as pipeline
 from dtp.pp.plots import gantt_figure
 
@@ -33,11 +34,7 @@ def schedule_explorer() -> widgets.VBox:
 
     def redraw(_change=None):
         figure, summary.value = explore(**{name: control.value for name, control in controls.items()})
-        # The widget's own state, not display messages: a run without a browser (nbval, CI)
-        # records no output from the sliders.
-        output.outputs = ()
-        if figure is not None:
-            output.append_display_data(figure)
+        show_only(output, figure)
 
     for control in controls.values():
         control.observe(redraw, names="value")

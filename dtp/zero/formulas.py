@@ -299,8 +299,8 @@ def unshard(pieces_by_rank: list[list], units: list[int]) -> list:
 def zero_calculator():
     """Sliders for Ψ (billions), Nd and the recipe; bars of one GPU's model states per stage."""
     import ipywidgets as widgets
-    from IPython.display import display
 
+    from dtp.common.widgets import show_only
     from dtp.memory.plots import memory_breakdown_figure
 
     controls = {
@@ -313,9 +313,7 @@ def zero_calculator():
     def redraw(_change=None):
         psi, n, recipe = controls["billions"].value * 1e9, controls["n_gpus"].value, controls["recipe"].value
         bars = {f"{STAGE_NAMES[stage]}": model_state_breakdown_per_gpu(psi, n, stage, recipe) for stage in STAGES}
-        with output:
-            output.clear_output(wait=True)
-            display(memory_breakdown_figure(bars))
+        show_only(output, memory_breakdown_figure(bars))
 
     for control in controls.values():
         control.observe(redraw, names="value")

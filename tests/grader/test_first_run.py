@@ -7,20 +7,32 @@ import sys
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from nbclient.output_widget import OutputWidget
 
 from conftest import EXERCISES
 from grader.release import SETUP_CELL
 
 
 @pytest.mark.parametrize("notebook_path", sorted(EXERCISES.glob("*.ipynb")), ids=lambda p: p.name)
-def test_run_all_on_an_untouched_exercise_notebook_reaches_the_end(notebook_path):
+def test_run_all_on_an_untouched_exercise_notebook_reaches_the_end(notebook_path, monkeypatch):
     notebook = nbformat.read(notebook_path, as_version=4)
-    # A cell takes seconds and a kernel starts in one. Under load a kernel once took over 60 s to
-    # start, and nbclient sometimes gets a widget cell's reply (06_zero's calculator) only when its
-    # per-cell wait runs out (jupyter/nbclient#312): each limit below stays under pytest's 300 s,
-    # so such a stall costs that limit, and a cell that never ends fails naming itself.
-    NotebookClient(notebook, timeout=110, startup_timeout=180, kernel_name="python3",
-                   resources={"metadata": {"path": str(notebook_path.parent)}}).execute()  # raises on any error
+    # A widget that captures displays (`with output: display(...)`) makes nbclient send comm
+    # messages to the kernel while it waits for the cell's reply, and then the reply is sometimes
+    # read only when the cell's limit runs out (jupyter/nbclient#312): the calculators draw through
+    # dtp.common.widgets.show_only instead, and this run fails if any cell makes nbclient send.
+    sent = []
+    monkeypatch.setattr(OutputWidget, "send", lambda widget, *args, **kwargs: sent.append(widget.comm_id))
+    # A cell takes seconds and a kernel starts in one (under load one took over 60 s): each limit
+    # stays under pytest's 300 s, so that a cell or a start that never ends fails naming itself.
+    client = NotebookClient(notebook, timeout=110, startup_timeout=180, kernel_name="python3",
+                            resources={"metadata": {"path": str(notebook_path.parent)}})
+    client.execute()  # raises on any error
+    assert not sent, "a widget captured displays: nbclient answered on the shell socket"
+    drawn = [state for state in client.widget_state.values() if state.get("_model_name") == "OutputModel"]
+    calculators = [cell for cell in notebook.cells if cell.source.rstrip().endswith(("calculator()", "explorer()"))]
+    assert len(drawn) == len(calculators)
+    assert all(len(state["outputs"]) == 1 and "image/png" in state["outputs"][0]["data"] for state in drawn), \
+        "a calculator's Output widget does not show its one figure"
     text = "\n".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                      for output in cell.outputs)
     assert "Traceback" not in text

@@ -11,17 +11,19 @@ no contention, so the model's contention is 0 here.
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 from dtp.common.world import run_world
 from dtp.overlap import model
-from dtp.overlap.timing import (FIRST_ESTIMATE_ROUNDS, bandwidth_time, exposed_samples, exposed_times, fit_alpha_beta,
-                                fit_from,
-                                fit_programs, one_link, own_core)
+from dtp.overlap.timing import (FIRST_ESTIMATE_ROUNDS, REPEATS, bandwidth_time, exposed_summary, fit_alpha_beta,
+                                fit_from, fit_programs, one_link, own_core)
 from dtp.zero.measure import FullTensorTracker
 
 FLOAT_BYTES = 4
+# Rounds of the measurements other than DDP's: one collective's time moves by about a fifth from
+# round to round here (each table's middle-half column), and their rows' medians settle only over
+# this many (nine left single ratios 0.6-1.7 apart between builds)
+ROUNDS = 25
 # Backward lengths, over one all-reduce of all gradients, among which the page finds the one where
 # a row's exposure would be most sensitive (the chain of its all-reduces just outlasting backward)
 COVERING_BACKWARDS = tuple(round(0.5 + 0.05 * k, 2) for k in range(51))
@@ -33,13 +35,14 @@ def on_gloo(program, op: str) -> list:
     return [("issue", step[1], op, int(step[2])) if step[0] == "issue" else step for step in program]
 
 
-def _row(label, measured, predicted):
-    return {"label": label, "measured_s": measured, "model_s": predicted}
+def _row(label, measured, predicted, middle=None):
+    """One table row; `middle` the first and third quartiles of the measured rounds."""
+    return {"label": label, "measured_s": measured, "model_s": predicted, "middle": middle}
 
 
 # --- DDP: buckets all-reduced during a backward of B seconds ----------------------------------
 
-def _ddp_rank(rank, world_size, numel, backward_over_allreduce, bucket_counts, after_buckets):
+def _ddp_rank(rank, world_size, numel, backward_over_allreduce, bucket_counts, after_buckets, rounds):
     own_core(rank)
     link = one_link()
     sizes = sorted({numel // b for b in (*bucket_counts, after_buckets)})
@@ -49,15 +52,13 @@ def _ddp_rank(rank, world_size, numel, backward_over_allreduce, bucket_counts, a
     programs.update({b: on_gloo(model.ddp_program(numel, backward_s, b), "all_reduce") for b in bucket_counts})
     programs["after"] = on_gloo(model.after_backward_program(model.ddp_program(numel, backward_s, after_buckets)),
                                 "all_reduce")
-    samples = exposed_samples(programs, link)
-    exposed = {key: statistics.median(values) for key, values in samples.items()}
-    middle = {key: tuple(statistics.quantiles(values, n=4)[::2]) for key, values in samples.items()}
+    exposed, middle = exposed_summary(programs, link, rounds)
     return {"fit": fit_from(exposed, "all_reduce", sizes), "measured": exposed, "middle": middle,
             "backward_s": backward_s}
 
 
 def measure_ddp(world_size=2, numel=2**23, backward_over_allreduce=0.5, bucket_counts=(1, 2, 4, 8, 16, 32),
-                after_buckets=4) -> dict:
+                after_buckets=4, rounds=REPEATS) -> dict:
     """DDP's backward over `numel` float32 gradients in b equal buckets, each all-reduced as soon
     as backward has produced it, for every b; and `after_buckets` buckets all-reduced after
     backward. Backward lasts `backward_over_allreduce` times one all-reduce of all gradients as
@@ -72,17 +73,18 @@ def measure_ddp(world_size=2, numel=2**23, backward_over_allreduce=0.5, bucket_c
     all-reduce's time grows in that row, "middle" the first and third quartiles of its measured
     rounds; "fit_miss" is the most that one size's own all-reduce time lies off the fitted line,
     relatively."""
-    result = run_world(_ddp_rank, world_size, (numel, backward_over_allreduce, tuple(bucket_counts), after_buckets))[0]
+    result = run_world(_ddp_rank, world_size,
+                       (numel, backward_over_allreduce, tuple(bucket_counts), after_buckets, rounds))[0]
     fit, measured, middle, backward_s = result["fit"], result["measured"], result["middle"], result["backward_s"]
     c, launch = bandwidth_time(fit, numel), fit["launch"]
     alpha = max(0.0, fit["alpha"] - launch)  # the fitted alpha includes one launch; the rest is the link's
     after = model.after_backward_program(model.ddp_program(c, backward_s, after_buckets, alpha))
     rows = [_row(f"{after_buckets} buckets, all-reduced after backward", measured["after"],
-                 model.program_exposed(after, launch=launch))
-            | {"gain": model.error_gain(after, launch=launch), "middle": middle["after"]}]
+                 model.program_exposed(after, launch=launch), middle["after"])
+            | {"gain": model.error_gain(after, launch=launch)}]
     rows += [_row(f"{b} bucket{'s' if b > 1 else ''} during backward", measured[b],
-                  model.ddp_exposed(c, backward_s, b, alpha, launch=launch))
-             | {"gain": model.error_gain(model.ddp_program(c, backward_s, b, alpha), launch=launch), "middle": middle[b]}
+                  model.ddp_exposed(c, backward_s, b, alpha, launch=launch), middle[b])
+             | {"gain": model.error_gain(model.ddp_program(c, backward_s, b, alpha), launch=launch)}
              for b in bucket_counts]
     best = model.ddp_best_buckets(c, backward_s, alpha, launch=launch)
     covering_gains = {(factor, b): model.error_gain(model.ddp_program(c, factor * (fit["alpha"] + c), b, alpha),
@@ -90,7 +92,8 @@ def measure_ddp(world_size=2, numel=2**23, backward_over_allreduce=0.5, bucket_c
                       for factor in COVERING_BACKWARDS for b in bucket_counts}
     (factor, buckets), gain = max(covering_gains.items(), key=lambda item: item[1])
     line = [fit["alpha"] + bandwidth_time(fit, n) for n in fit["numel"]]
-    return {"rows": rows, "fit": fit, "allreduce_s": c, "backward_s": backward_s, "model_best_buckets": best,
+    return {"rows": rows, "rounds": rounds, "fit": fit, "allreduce_s": c, "backward_s": backward_s,
+            "model_best_buckets": best,
             "measured_best_buckets": min(bucket_counts, key=lambda b: measured[b]), "numel": numel,
             "fit_miss": max(abs(t - f) / f for t, f in zip(fit["times"], line)),
             "covering": {"backward_s": factor * (fit["alpha"] + c), "over_allreduce": factor, "buckets": buckets,
@@ -99,7 +102,7 @@ def measure_ddp(world_size=2, numel=2**23, backward_over_allreduce=0.5, bucket_c
 
 # --- ZeRO-3's forward: units all-gathered before a compute of f seconds -----------------------
 
-def _zero3_rank(rank, world_size, layouts, compute_over_gather):
+def _zero3_rank(rank, world_size, layouts, compute_over_gather, rounds):
     own_core(rank)
     link = one_link()
     pieces = {n // world_size for units, _ in layouts.values() for n in units}
@@ -110,12 +113,12 @@ def _zero3_rank(rank, world_size, layouts, compute_over_gather):
     for key, (units, depth) in layouts.items():
         program = model.fsdp_forward_program([n // world_size for n in units], [compute_s] * len(units), depth)
         programs[key] = on_gloo(program, "all_gather")
-    measured = exposed_times(programs, link)
+    measured, middle = exposed_summary(programs, link, rounds)
     fit = fit_from(measured, "all_gather", sizes)
     peaks = {key: _gathered_peak([n // world_size for n in units], depth, compute_s) for key, (units, depth) in layouts.items()}
     even = next(units for units, _ in layouts.values())
     kept = _gathered_peak([n // world_size for n in even], 0, compute_s, keep_handles=True)
-    return {"fit": fit, "compute_s": compute_s, "measured": measured, "peak_bytes": peaks,
+    return {"fit": fit, "compute_s": compute_s, "measured": measured, "middle": middle, "peak_bytes": peaks,
             "peak_bytes_handle_kept": kept}
 
 
@@ -150,7 +153,7 @@ def _gathered_peak(pieces, depth, compute_s, keep_handles=False) -> int:
 
 
 def measure_zero3_forward(world_size=2, units=6, numel=2**20, compute_over_gather=1.5, depths=(0, 1, 2),
-                          big_unit=3, big_factor=3, uneven_depths=(1, 2)) -> dict:
+                          big_unit=3, big_factor=3, uneven_depths=(1, 2), rounds=ROUNDS) -> dict:
     """ZeRO-3's forward on gloo, every unit's gather waited on before the next is issued, with
     prefetch depth 0 (gather, wait, compute), 1 and 2; and the same with unit `big_unit` gathering
     `big_factor` times the bytes (an embedding, or uneven wrapping) at `uneven_depths`. Each unit
@@ -161,7 +164,7 @@ def measure_zero3_forward(world_size=2, units=6, numel=2**20, compute_over_gathe
     uneven = [numel * (big_factor if i == big_unit else 1) for i in range(units)]
     layouts = {("even", d): (even, d) for d in depths}
     layouts.update({("uneven", d): (uneven, d) for d in uneven_depths})
-    result = run_world(_zero3_rank, world_size, (layouts, compute_over_gather))[0]
+    result = run_world(_zero3_rank, world_size, (layouts, compute_over_gather, rounds))[0]
     fit, compute_s = result["fit"], result["compute_s"]
     launch = fit["launch"]
     alpha = max(0.0, fit["alpha"] - launch)  # the fitted alpha includes one launch
@@ -178,18 +181,18 @@ def measure_zero3_forward(world_size=2, units=6, numel=2**20, compute_over_gathe
             predicted = model.fsdp_forward_exposed_units([alpha + gather_s(n) for n in sizes], [compute_s] * units,
                                                          depth, launch=launch)
             label = f"depth {depth}, unit {big_unit} {big_factor}x larger"
-        row = _row(label, result["measured"][key], predicted)
+        row = _row(label, result["measured"][key], predicted, result["middle"][key])
         row.update(depth=depth, peak_bytes=result["peak_bytes"][key], unit_bytes=numel * FLOAT_BYTES,
                    units_alive=model.fsdp_gathered_units_alive(depth, units))
         rows.append(row)
-    return {"rows": rows, "fit": fit, "units": units, "compute_s": compute_s, "gather_s": fit["alpha"] + gather_s(numel),
+    return {"rows": rows, "rounds": rounds, "fit": fit, "units": units, "compute_s": compute_s, "gather_s": fit["alpha"] + gather_s(numel),
             "peak_bytes_handle_kept": result["peak_bytes_handle_kept"],
             "unit_bytes": numel * FLOAT_BYTES, "big_unit": big_unit, "big_factor": big_factor}
 
 
 # --- collective matmul: t ring steps, each transfer under a piece's product --------------------
 
-def _ring_rank(rank, world_size, numel, gemm_over_transfer):
+def _ring_rank(rank, world_size, numel, gemm_over_transfer, rounds):
     own_core(rank)
     link = one_link()
     sizes = [numel // 4, numel // 2, numel]
@@ -198,25 +201,26 @@ def _ring_rank(rank, world_size, numel, gemm_over_transfer):
     programs = {**fit_programs("exchange", sizes), **fit_programs("all_gather", sizes)}
     programs["plain"] = [("issue", "all", "all_gather", numel), ("wait", "all"), ("compute", gemm_s)]
     programs["ring"] = on_gloo(model.collective_matmul_program(numel * (world_size - 1), gemm_s, world_size), "exchange")
-    measured = exposed_times(programs, link)
+    measured, middle = exposed_summary(programs, link, rounds)
     return {"exchange": fit_from(measured, "exchange", sizes), "gather": fit_from(measured, "all_gather", sizes),
-            "gemm_s": gemm_s, "measured": measured}
+            "gemm_s": gemm_s, "measured": measured, "middle": middle}
 
 
-def measure_collective_matmul(world_size=4, numel=2**20, gemm_over_transfer=0.3) -> dict:
+def measure_collective_matmul(world_size=4, numel=2**20, gemm_over_transfer=0.3, rounds=ROUNDS) -> dict:
     """All-gather then product, and collective matmul, on `world_size` ranks each holding `numel`
     float32 of X. The product's length is set from the fitted ring step, so that each piece's
     product covers `gemm_over_transfer` of a transfer and the model predicts something to
     measure on any machine. Model: `model.collective_matmul_exposed` with the fitted alphas."""
-    result = run_world(_ring_rank, world_size, (numel, gemm_over_transfer))[0]
+    result = run_world(_ring_rank, world_size, (numel, gemm_over_transfer, rounds))[0]
     t, gemm_s = world_size, result["gemm_s"]
-    exchange, gather = result["exchange"], result["gather"]
-    rows = [_row("all-gather, then the product", result["measured"]["plain"],
-                 model.collective_matmul_exposed(bandwidth_time(gather, numel), gemm_s, 1, gather["alpha"])),
-            _row(f"collective matmul, t = {t}", result["measured"]["ring"],
+    exchange, gather, measured, middle = result["exchange"], result["gather"], result["measured"], result["middle"]
+    rows = [_row("all-gather, then the product", measured["plain"],
+                 model.collective_matmul_exposed(bandwidth_time(gather, numel), gemm_s, 1, gather["alpha"]),
+                 middle["plain"]),
+            _row(f"collective matmul, t = {t}", measured["ring"],
                  model.collective_matmul_exposed((t - 1) * bandwidth_time(exchange, numel), gemm_s, t,
-                                                 exchange["alpha"]))]
-    return {"rows": rows, "exchange": exchange, "gather": gather, "gemm_s": gemm_s, "chunks": t,
+                                                 exchange["alpha"]), middle["ring"])]
+    return {"rows": rows, "rounds": rounds, "exchange": exchange, "gather": gather, "gemm_s": gemm_s, "chunks": t,
             "transfer_s": exchange["alpha"] + bandwidth_time(exchange, numel)}
 
 
@@ -242,7 +246,7 @@ def ep_programs(numel, compute_s) -> dict:
     return {"serial": serial, "overlapped": overlapped}
 
 
-def _tp_ep_rank(rank, world_size, numel, compute_over_comm):
+def _tp_ep_rank(rank, world_size, numel, compute_over_comm, rounds):
     own_core(rank)
     link = one_link()
     sizes, ops = [numel // 4, numel // 2, numel], ("all_reduce", "all_to_all")
@@ -253,27 +257,28 @@ def _tp_ep_rank(rank, world_size, numel, compute_over_comm):
     programs = {key: program for op in ops for key, program in fit_programs(op, sizes).items()}
     programs.update({("tp", k): p for k, p in tp_programs(numel, tp_compute).items()})
     programs.update({("ep", k): p for k, p in ep_programs(numel, ep_compute).items()})
-    measured = exposed_times(programs, link)
+    measured, middle = exposed_summary(programs, link, rounds)
     return {"fits": {op: fit_from(measured, op, sizes) for op in ops}, "tp_compute_s": tp_compute,
-            "ep_compute_s": ep_compute, "measured": measured}
+            "ep_compute_s": ep_compute, "measured": measured, "middle": middle}
 
 
-def measure_tp_and_ep(world_size=2, numel=2**21, compute_over_comm=0.4) -> dict:
+def measure_tp_and_ep(world_size=2, numel=2**21, compute_over_comm=0.4, rounds=ROUNDS) -> dict:
     """A TP all-reduce waited on before the product that needs it, and one under a product that
     does not (the weight gradient); a MoE layer's two micro-batches serial and overlapped. The
     computation is `compute_over_comm` of the fitted communication, so the overlapped rows leave
     something exposed to predict. Model: `tp_layer_exposed`'s phases and `ep_exposed`."""
-    result = run_world(_tp_ep_rank, world_size, (numel, compute_over_comm))[0]
-    fits, measured = result["fits"], result["measured"]
+    result = run_world(_tp_ep_rank, world_size, (numel, compute_over_comm, rounds))[0]
+    fits, measured, middle = result["fits"], result["measured"], result["middle"]
     ar, a2a = fits["all_reduce"], fits["all_to_all"]
     a, alpha = bandwidth_time(ar, numel), ar["alpha"]
     c, w, f = 2 * bandwidth_time(a2a, numel), result["tp_compute_s"], result["ep_compute_s"]
-    tp_rows = [_row("forward: the next product needs it", measured[("tp", "forward")], a + alpha),
+    tp_rows = [_row("forward: the next product needs it", measured[("tp", "forward")], a + alpha,
+                    middle[("tp", "forward")]),
                _row("backward: under the weight-gradient product", measured[("tp", "backward")],
-                    model.exposed(a + alpha, w))]
+                    model.exposed(a + alpha, w), middle[("tp", "backward")])]
     ep_rows = [_row("one micro-batch after the other", measured[("ep", "serial")],
-                    model.ep_exposed(c, f, False, a2a["alpha"])),
+                    model.ep_exposed(c, f, False, a2a["alpha"]), middle[("ep", "serial")]),
                _row("two micro-batches, overlapped", measured[("ep", "overlapped")],
-                    model.ep_exposed(c, f, True, a2a["alpha"]))]
-    return {"tp_rows": tp_rows, "ep_rows": ep_rows, "fits": fits, "tp_compute_s": w, "ep_compute_s": f,
+                    model.ep_exposed(c, f, True, a2a["alpha"]), middle[("ep", "overlapped")])]
+    return {"tp_rows": tp_rows, "ep_rows": ep_rows, "rounds": rounds, "fits": fits, "tp_compute_s": w, "ep_compute_s": f,
             "compute_over_comm": compute_over_comm}

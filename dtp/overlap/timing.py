@@ -22,6 +22,7 @@ predicts (`fit_programs`, `fit_from`).
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from datetime import timedelta
@@ -124,20 +125,34 @@ def synchronized_time(function) -> float:
 
 def exposed_times(programs: dict, link, rounds: int = REPEATS) -> dict:
     """The exposed time of each program (a dict of them): the median of `exposed_samples`."""
-    return {key: statistics.median(values) for key, values in exposed_samples(programs, link, rounds).items()}
+    return exposed_summary(programs, link, rounds)[0]
+
+
+def exposed_summary(programs: dict, link, rounds: int = REPEATS) -> tuple[dict, dict]:
+    """Per program (a dict of them), the median of `exposed_samples` and the middle half of its
+    rounds (first and third quartiles): the spread that a row's median is read against."""
+    samples = exposed_samples(programs, link, rounds)
+    medians = {key: statistics.median(values) for key, values in samples.items()}
+    middles = {key: tuple(statistics.quantiles(values, n=4)[::2]) for key, values in samples.items()}
+    return medians, middles
 
 
 def exposed_samples(programs: dict, link, rounds: int = REPEATS) -> dict:
     """The exposed times of each program (a dict of them), one per round: its time minus its
     computation's alone, run right after it (a sleep overshoots by the same on both). Every round
-    runs every program once, in turn, so that a change in the machine's state while they run
-    (another job, a frequency step) touches all of them alike."""
+    runs every program once, so that a change in the machine's state while they run (another
+    job, a frequency step) touches all of them alike, and in an order shuffled per round (the
+    same on every rank: seeded by the round), so that what one program leaves behind (a socket's
+    buffers, the caches) does not always fall on the same next one."""
     prepared = {key: (program, buffers(program), compute_only(program)) for key, program in programs.items()}
     for program, tensors, _ in prepared.values():
         synchronized_time(lambda: run_program(program, link, tensors))  # warm-up: gloo sets up a size's buffers
     differences = {key: [] for key in prepared}
-    for _ in range(rounds):
-        for key, (program, tensors, alone) in prepared.items():
+    for round_index in range(rounds):
+        order = list(prepared)
+        random.Random(round_index).shuffle(order)
+        for key in order:
+            program, tensors, alone = prepared[key]
             step = synchronized_time(lambda: run_program(program, link, tensors))
             differences[key].append(step - synchronized_time(lambda: run_program(alone, link, {})))
     return differences

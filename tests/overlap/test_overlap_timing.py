@@ -48,6 +48,36 @@ def test_the_one_link_group_runs_collectives_in_the_order_issued():
     assert all(run_world(_order_on_one_link, 2))
 
 
+def _program_order(rank, world_size):
+    link = timing.one_link()
+    programs = {name: [("issue", "x", "all_reduce", 4), ("compute", 0.0005 * k), ("wait", "x")]
+                for k, name in enumerate("abcd")}
+    names = {id(program): name for name, program in programs.items()}
+    ran, original = [], timing.run_program
+
+    def recording(program, link, tensors):
+        ran.append(names.get(id(program)))  # None: a program's computation alone
+        original(program, link, tensors)
+
+    timing.run_program = recording
+    try:
+        medians, middles = timing.exposed_summary(programs, link, rounds=6)
+    finally:
+        timing.run_program = original
+    return [name for name in ran if name], medians, middles
+
+
+def test_each_round_runs_every_program_once_in_an_order_shuffled_alike_on_every_rank():
+    """Shuffled so that what one program leaves behind does not always fall on the same next one;
+    alike on every rank, or the ranks' collectives would pair up wrongly."""
+    (order, medians, middles), (other_rank_order, _, _) = run_world(_program_order, 2)
+    assert order == other_rank_order
+    warm_up, rounds = order[:4], [order[4 + 4 * k: 8 + 4 * k] for k in range(6)]
+    assert warm_up == list("abcd") and all(sorted(r) == list("abcd") for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1
+    assert all(middles[name][0] <= medians[name] <= middles[name][1] for name in "abcd")
+
+
 def _cores_of_every_thread(rank, world_size):
     import os
 

@@ -20,10 +20,6 @@ from dtp.overlap.timing import (FIRST_ESTIMATE_ROUNDS, REPEATS, bandwidth_time, 
 from dtp.zero.measure import FullTensorTracker
 
 FLOAT_BYTES = 4
-# Rounds of the measurements other than DDP's: one collective's time moves by about a fifth from
-# round to round here (each table's middle-half column), and their rows' medians settle only over
-# this many (nine left single ratios 0.6-1.7 apart between builds)
-ROUNDS = 25
 # Backward lengths, over one all-reduce of all gradients, among which the page finds the one where
 # a row's exposure would be most sensitive (the chain of its all-reduces just outlasting backward)
 COVERING_BACKWARDS = tuple(round(0.5 + 0.05 * k, 2) for k in range(51))
@@ -152,16 +148,20 @@ def _gathered_peak(pieces, depth, compute_s, keep_handles=False) -> int:
     return tracker.peaks.get("start", 0)
 
 
-def measure_zero3_forward(world_size=2, units=6, numel=2**20, compute_over_gather=1.5, depths=(0, 1, 2),
-                          big_unit=3, big_factor=3, uneven_depths=(1, 2), rounds=ROUNDS) -> dict:
+def measure_zero3_forward(world_size=2, units=6, numel=2**20, compute_over_gather=2.0, depths=(0, 1, 2),
+                          big_unit=3, big_factor=2.5, uneven_depths=(1, 2), rounds=REPEATS) -> dict:
     """ZeRO-3's forward on gloo, every unit's gather waited on before the next is issued, with
     prefetch depth 0 (gather, wait, compute), 1 and 2; and the same with unit `big_unit` gathering
     `big_factor` times the bytes (an embedding, or uneven wrapping) at `uneven_depths`. Each unit
     computes `compute_over_gather` times the fitted gather of an ordinary unit, so that equal
-    units hide all but the first gather and the big one sticks out. Per row: measured and
-    modelled exposed time, and the peak bytes of gathered weights."""
+    units hide all but the first gather and the big one sticks out at depth 1 by half a gather.
+    At depth 2 the big gather, issued one unit earlier, has two computes to hide under; the
+    sizes keep it well inside them, so that the row does not sit where a few per cent of error
+    in a gather's time decides whether it sticks out (a gather 3 times larger under computes of
+    1.5 gathers would: there depth 2 exposes half a gather more per 7 % of error). Per row:
+    measured and modelled exposed time, and the peak bytes of gathered weights."""
     even = [numel] * units
-    uneven = [numel * (big_factor if i == big_unit else 1) for i in range(units)]
+    uneven = [int(numel * big_factor) if i == big_unit else numel for i in range(units)]
     layouts = {("even", d): (even, d) for d in depths}
     layouts.update({("uneven", d): (uneven, d) for d in uneven_depths})
     result = run_world(_zero3_rank, world_size, (layouts, compute_over_gather, rounds))[0]
@@ -206,7 +206,7 @@ def _ring_rank(rank, world_size, numel, gemm_over_transfer, rounds):
             "gemm_s": gemm_s, "measured": measured, "middle": middle}
 
 
-def measure_collective_matmul(world_size=4, numel=2**20, gemm_over_transfer=0.3, rounds=ROUNDS) -> dict:
+def measure_collective_matmul(world_size=4, numel=2**20, gemm_over_transfer=0.3, rounds=REPEATS) -> dict:
     """All-gather then product, and collective matmul, on `world_size` ranks each holding `numel`
     float32 of X. The product's length is set from the fitted ring step, so that each piece's
     product covers `gemm_over_transfer` of a transfer and the model predicts something to
@@ -262,7 +262,7 @@ def _tp_ep_rank(rank, world_size, numel, compute_over_comm, rounds):
             "ep_compute_s": ep_compute, "measured": measured, "middle": middle}
 
 
-def measure_tp_and_ep(world_size=2, numel=2**21, compute_over_comm=0.4, rounds=ROUNDS) -> dict:
+def measure_tp_and_ep(world_size=2, numel=2**21, compute_over_comm=0.4, rounds=REPEATS) -> dict:
     """A TP all-reduce waited on before the product that needs it, and one under a product that
     does not (the weight gradient); a MoE layer's two micro-batches serial and overlapped. The
     computation is `compute_over_comm` of the fitted communication, so the overlapped rows leave

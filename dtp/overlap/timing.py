@@ -31,7 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-REPEATS = 9  # the median of this many runs, after a warm-up
+# The median of this many runs, after a warm-up: one collective's time moves by about a fifth from
+# round to round here (the page's middle-half columns), and with 9 a row's ratio moved 0.6-1.7
+# between builds where it was a difference of two times
+REPEATS = 25
 FIRST_ESTIMATE_ROUNDS = 5  # rounds of the fit that sizes a computation before the measurement
 START_AHEAD_S = 0.005  # rank 0 sets the common start this far ahead: every rank is waiting by then
 FIT_PAUSE_S = 0.005  # the compute before each collective the fit times, as the programs have one

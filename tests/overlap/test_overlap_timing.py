@@ -129,3 +129,24 @@ def test_the_ddp_measurement_sizes_backward_where_no_row_multiplies_an_all_reduc
     assert max(gains(ratio * (alpha + c))) < 2
     covering = max(max(gains(factor * (alpha + c))) for factor in measure.COVERING_BACKWARDS)
     assert covering > 4  # the page's contrast is real: some backward in that range is ill-conditioned
+
+
+def test_the_zero3_measurement_keeps_the_uneven_rows_off_the_models_edges():
+    """measure_zero3_forward's big unit sticks out at depth 1 and hides at depth 2, and stays so
+    while the computation is off the fitted gather by up to 20 % either way: a row at the edge
+    where the big gather just fits under two computes would swing with every fit."""
+    defaults = {name: p.default for name, p in inspect.signature(measure.measure_zero3_forward).parameters.items()}
+    units, big, f = defaults["units"], defaults["big_factor"], defaults["compute_over_gather"]
+    gathers = [big if i == defaults["big_unit"] else 1.0 for i in range(units)]
+
+    def exposed(depth, compute, sizes=gathers):
+        return model.fsdp_forward_exposed_units(sizes, [compute] * units, depth)
+
+    first_gather_only = exposed(1, f, [1.0] * units)
+    for error in (0.8, 0.9, 1.0, 1.1, 1.2):
+        assert exposed(2, f * error) == pytest.approx(first_gather_only)  # deeper prefetch hides the big unit
+        assert exposed(1, f * error) > first_gather_only + 0.05  # it sticks out at depth 1
+        assert abs(exposed(1, f * error) - exposed(1, f)) <= 1.5 * abs(error - 1) * exposed(1, f)
+    # the contrast: a 3x unit under computes of 1.5 gathers sits on depth 2's edge
+    edge = [3.0 if i == defaults["big_unit"] else 1.0 for i in range(units)]
+    assert exposed(2, 1.5 * 0.9, edge) - exposed(2, 1.5, edge) > 0.25 * exposed(2, 1.5, edge)

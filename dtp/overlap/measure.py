@@ -15,8 +15,8 @@ import time
 
 from dtp.common.world import run_world
 from dtp.overlap import model
-from dtp.overlap.timing import (FIRST_ESTIMATE_ROUNDS, REPEATS, bandwidth_time, exposed_summary, fit_alpha_beta,
-                                fit_from, fit_programs, one_link, own_core)
+from dtp.overlap.timing import (FIRST_ESTIMATE_ROUNDS, REPEATS, bandwidth_time, exposed_summary,
+                                fit_alpha_beta, fit_from, fit_programs, one_link, own_core, synchronized_time)
 from dtp.zero.measure import FullTensorTracker
 
 FLOAT_BYTES = 4
@@ -282,3 +282,39 @@ def measure_tp_and_ep(world_size=2, numel=2**21, compute_over_comm=0.4, rounds=R
                     model.ep_exposed(c, f, True, a2a["alpha"]), middle[("ep", "overlapped")])]
     return {"tp_rows": tp_rows, "ep_rows": ep_rows, "rounds": rounds, "fits": fits, "tp_compute_s": w, "ep_compute_s": f,
             "compute_over_comm": compute_over_comm}
+
+
+# --- why the measuring ranks place gloo's threads as they do ---------------------------------
+
+def _pause_then_allreduce_rank(rank, world_size, numel, pauses, count, event_loops_elsewhere):
+    import torch
+
+    own_core(rank, event_loops_elsewhere)
+    link = one_link()
+    data = torch.ones(numel)
+    times = {}
+    for pause in pauses:
+        samples = []
+        for index in range(count + 2):  # the first two: a warm-up
+            time.sleep(pause)  # the previous all-reduce has just ended on every rank: the pauses line up
+            start = time.perf_counter()
+            link.allreduce([data]).wait()
+            samples.append(time.perf_counter() - start)
+        times[pause] = samples[2:]
+    return times
+
+
+def measure_event_loop_placement(world_size=2, numel=2**18, pauses=(0.0005, 0.005, 0.02), count=24) -> list[dict]:
+    """One all-reduce of `numel` float32 after a pause, on the measuring ranks' one-thread gloo
+    group, with gloo's TCP event loop on the rank's own core and on the next core (as the page's
+    measurements run). Per placement and pause: the median and quartiles of `count` all-reduces,
+    as rank 0 timed them from its call to the end of its wait."""
+    import statistics
+
+    rows = []
+    for label, elsewhere in (("on the rank's core", False), ("on the next core", True)):
+        times = run_world(_pause_then_allreduce_rank, world_size, (numel, tuple(pauses), count, elsewhere))[0]
+        for pause in pauses:
+            low, median, high = statistics.quantiles(times[pause], n=4)
+            rows.append({"event_loop": label, "pause_s": pause, "median_s": median, "middle": (low, high)})
+    return rows

@@ -304,7 +304,11 @@ def _pause_then_allreduce_rank(rank, world_size, numel, pauses, count, event_loo
     return times
 
 
-def measure_event_loop_placement(world_size=2, numel=2**18, pauses=(0.0005, 0.005, 0.02), count=24) -> list[dict]:
+EVENT_LOOP_NUMEL, EVENT_LOOP_PAUSES, EVENT_LOOP_COUNT = 2**18, (0.0005, 0.005, 0.02), 24
+
+
+def measure_event_loop_placement(world_size=2, numel=EVENT_LOOP_NUMEL, pauses=EVENT_LOOP_PAUSES,
+                                 count=EVENT_LOOP_COUNT) -> list[dict]:
     """One all-reduce of `numel` float32 after a pause, on the measuring ranks' one-thread gloo
     group, with gloo's TCP event loop on the rank's own core and on the next core (as the page's
     measurements run). Per placement and pause: the median and quartiles of `count` all-reduces,

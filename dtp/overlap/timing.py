@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import threading
 import time
 from datetime import timedelta
 
@@ -96,6 +97,16 @@ def place_threads() -> None:
         except OSError:  # a thread that ended meanwhile
             pass
     compute_first()
+
+
+def realtime_allowed() -> bool:
+    """Whether `compute_first` can give a thread a real-time priority here (tried on a thread
+    that ends at once)."""
+    outcome = []
+    probe = threading.Thread(target=lambda: outcome.append(compute_first()))
+    probe.start()
+    probe.join()
+    return outcome[0]
 
 
 def compute_first() -> bool:

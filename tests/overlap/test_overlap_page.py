@@ -22,6 +22,13 @@ def test_every_glued_name_in_the_text_is_computed_and_every_computed_one_is_show
     assert shown == computed, (shown - computed, computed - shown)
 
 
+def test_the_page_shows_why_gloo_s_event_loop_runs_beside_the_rank_measured_at_build_time():
+    """The harness's thread placement is a claim about gloo on this machine: the page measures
+    both placements when it is built, and says whether the real-time priority was allowed."""
+    assert "placement = overlap_measure.measure_event_loop_placement()" in PAGE
+    assert "```{glue:md} loop_table" in PAGE and "{glue:text}`realtime_allowed`" in PAGE
+
+
 def test_measured_numbers_are_labelled_as_this_machine_s():
     for table in MEASURED:
         before = PAGE[:PAGE.index(f"```{{glue:md}} {table}")]

@@ -12,7 +12,10 @@ collective named by what it moves instead of how long it takes:
 
 `one_link()` gives the collectives a gloo group with ONE worker thread, so that they run one
 after another in the order issued, as NCCL runs one stream's collectives and as the model
-assumes (gloo's default group has two threads and runs two collectives at once). Every timing
+assumes (gloo's default group has two threads and runs two collectives at once). `own_core(rank)`
+gives each rank a core of its own, gloo's TCP event loops the next core, and the rank's own
+thread a real-time priority where allowed: the rank computes (sleeps) and issues on time, and
+its link is not held up by threads sharing that core. Every timing
 starts all ranks at one instant (a CLOCK_MONOTONIC deadline, which every process on the machine
 shares), so that no rank's late start is counted as communication, and ends when the slowest
 rank ends; programs are run in rounds (each once per round) and the median kept. A fit of

@@ -294,33 +294,6 @@ def unshard(pieces_by_rank: list[list], units: list[int]) -> list:
     return [np.concatenate([np.ravel(pieces[j]) for pieces in pieces_by_rank])[:u] for j, u in enumerate(units)]
 
 
-# --- the notebook's calculator ----------------------------------------------------------------
-
-def zero_calculator():
-    """Sliders for Ψ (billions), Nd and the recipe; bars of one GPU's model states per stage."""
-    import ipywidgets as widgets
-
-    from dtp.common.widgets import show_only
-    from dtp.memory.plots import memory_breakdown_figure
-
-    controls = {
-        "billions": widgets.FloatLogSlider(value=70, base=10, min=-1, max=3, step=0.05, description="Ψ (billions)"),
-        "n_gpus": widgets.IntSlider(value=64, min=1, max=1024, description="Nd GPUs"),
-        "recipe": widgets.Dropdown(options=list(memory.RECIPES), value="mixed_adam", description="recipe"),
-    }
-    output = widgets.Output()
-
-    def redraw(_change=None):
-        psi, n, recipe = controls["billions"].value * 1e9, controls["n_gpus"].value, controls["recipe"].value
-        bars = {f"{STAGE_NAMES[stage]}": model_state_breakdown_per_gpu(psi, n, stage, recipe) for stage in STAGES}
-        show_only(output, memory_breakdown_figure(bars))
-
-    for control in controls.values():
-        control.observe(redraw, names="value")
-    redraw()
-    return widgets.VBox([widgets.HBox(list(controls.values())), output])
-
-
 # --- the book's figures -----------------------------------------------------------------------
 
 def memory_per_gpu_figure(n_params: float, gpu_counts, recipe: str = "mixed_adam", device_bytes: float = 80 * 2**30):

@@ -6,7 +6,7 @@ import pytest
 
 from dtp.memory.widgets import memory_calculator
 from dtp.pp.widgets import schedule_explorer
-from dtp.zero.formulas import zero_calculator
+from dtp.zero.widgets import zero_calculator
 
 
 def _controls(box):

@@ -123,7 +123,9 @@ def _gathered_peak(pieces, depth, compute_s, keep_handles=False) -> int:
     `depth` on the default group (counted by dtp.zero.measure.FullTensorTracker). A finished
     collective's handle keeps its output alive: it is dropped with the buffer, unless
     `keep_handles` (the handle then lives until the next unit's is taken, as in a loop that
-    only deletes the buffer)."""
+    only deletes the buffer). Gloo's worker lets go of a finished gather's buffers a moment after
+    the wait returns: the tracker counts more than the 1 + depth units the schedule keeps only
+    once that excess outlives gloo's letting go (its `unit_limit`), never because gloo was slow."""
     import torch
     import torch.distributed as dist
 
@@ -131,7 +133,7 @@ def _gathered_peak(pieces, depth, compute_s, keep_handles=False) -> int:
         full = torch.empty(pieces[index] * dist.get_world_size())
         return full, dist.all_gather_into_tensor(full, torch.ones(pieces[index]), async_op=True)
 
-    tracker = FullTensorTracker()
+    tracker = FullTensorTracker(unit_limit=1 + depth)
     with tracker:  # the same program, with the buffers allocated when issued and freed after use
         in_flight = {}
         for index in range(len(pieces)):
@@ -141,7 +143,7 @@ def _gathered_peak(pieces, depth, compute_s, keep_handles=False) -> int:
                 if ahead == index:
                     full, handle = in_flight.pop(index)
                     handle.wait()
-            time.sleep(compute_s)  # the unit's compute; gloo lets go of the finished gather meanwhile
+            time.sleep(compute_s)  # the unit's compute
             del full
             if not keep_handles:
                 del handle

@@ -13,9 +13,9 @@ collective named by what it moves instead of how long it takes:
 `one_link()` gives the collectives a gloo group with ONE worker thread, so that they run one
 after another in the order issued, as NCCL runs one stream's collectives and as the model
 assumes (gloo's default group has two threads and runs two collectives at once). `own_core(rank)`
-gives each rank a core of its own, gloo's TCP event loops the next core, and the rank's own
-thread a real-time priority where allowed: the rank computes (sleeps) and issues on time, and
-its link is not held up by threads sharing that core. Every timing
+gives each rank a core of its own and gloo's TCP event loops the next core, and the timed rounds
+run the rank's own thread at a real-time priority where allowed (`compute_first`): the rank
+computes (sleeps) and issues on time, and its link is not held up by threads sharing that core. Every timing
 starts all ranks at one instant (a CLOCK_MONOTONIC deadline, which every process on the machine
 shares), so that no rank's late start is counted as communication, and ends when the slowest
 rank ends; programs are run in rounds (each once per round) and the median kept. A fit of
@@ -24,6 +24,7 @@ predicts (`fit_programs`, `fit_from`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import statistics
@@ -99,31 +100,42 @@ def place_threads() -> None:
             os.sched_setaffinity(int(thread), {core})
         except OSError:  # a thread that ended meanwhile
             pass
-    compute_first()
 
 
 def realtime_allowed() -> bool:
     """Whether `compute_first` can give a thread a real-time priority here (tried on a thread
     that ends at once)."""
     outcome = []
-    probe = threading.Thread(target=lambda: outcome.append(compute_first()))
-    probe.start()
-    probe.join()
+
+    def probe():
+        with compute_first() as granted:
+            outcome.append(granted)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
     return outcome[0]
 
 
-def compute_first() -> bool:
-    """Give the calling thread (the rank's "compute": its sleeps, issues and waits) a real-time
-    priority, so that it runs the moment it wakes instead of after a gloo thread busy on its core
-    (which, in the measured ZeRO-3 forward, held a prefetch's issue for up to a millisecond);
-    threads it starts later do not inherit it. It only ever sleeps or waits, so it takes nothing
-    from them. Needs the right to (root, or CAP_SYS_NICE): False where refused, and the thread
-    stays as it was."""
+@contextlib.contextmanager
+def compute_first():
+    """While inside, the calling thread (the rank's "compute": its sleeps, issues and waits) runs
+    at a real-time priority, so that it goes on the moment it wakes instead of after a gloo
+    thread busy on its core (which, in the measured ZeRO-3 forward, held a prefetch's issue for
+    up to a millisecond); threads it starts do not inherit it. Only around the timed programs,
+    which sleep or wait almost all the time: a real-time thread doing real work would keep
+    everything else off its core. Needs the right to (root, or CAP_SYS_NICE); yields whether it
+    was granted, and where refused the thread stays as it was."""
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
-        return True
-    except (PermissionError, OSError):
-        return False
+        granted = True
+    except OSError:
+        granted = False
+    try:
+        yield granted
+    finally:
+        if granted:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
 def buffers(program) -> dict:
@@ -203,6 +215,11 @@ def exposed_samples(programs: dict, link, rounds: int = REPEATS) -> dict:
     same on every rank: seeded by the round), so that what one program leaves behind (a socket's
     buffers, the caches) does not always fall on the same next one."""
     prepared = {key: (program, buffers(program), compute_only(program)) for key, program in programs.items()}
+    with compute_first():
+        return _timed_rounds(prepared, link, rounds)
+
+
+def _timed_rounds(prepared: dict, link, rounds: int) -> dict:
     for program, tensors, _ in prepared.values():
         synchronized_time(lambda: run_program(program, link, tensors))  # warm-up: gloo sets up a size's buffers
     differences = {key: [] for key in prepared}

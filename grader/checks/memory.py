@@ -114,10 +114,13 @@ class ActivationMemory(FormulaCheck):
 
     def cases(self, rng):
         cases = []
+        # head sizes without repeats (drawn independently, both cases that keep attention's
+        # scores drew 128 one time in 25, and a formula assuming h/a = 128 passed)
+        head_sizes = iter(int(size) for size in rng.permutation([64, 80, 96, 128, 256, 112]))
         for recompute in memory.RECOMPUTE:
             for sequence_parallel in (False, True):
                 heads = int(rng.choice([8, 12, 16, 32, 64]))
-                head_size = int(rng.choice([64, 80, 96, 128, 256]))
+                head_size = next(head_sizes)
                 args = (int(rng.choice([512, 1024, 2048, 4096])), int(rng.integers(1, 9)), heads * head_size, heads)
                 kwargs = dict(tensor_parallel=int(rng.choice([2, 4, 8])), sequence_parallel=sequence_parallel,
                               recompute=recompute)

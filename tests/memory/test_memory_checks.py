@@ -196,3 +196,16 @@ def test_interview_refuses_the_courses_functions(tmp_notebook):
     result = graded_interview(tmp_notebook, TB='__import__("dtp.memory.formulas").memory.formulas.model_state_memory(n_params, '
                                                '"mixed_adam", "TB")')
     assert result.status == "failed" and "uses the course's reference" in result.feedback, result
+
+
+def test_every_activation_draw_can_tell_a_formula_that_assumes_head_size_128():
+    """A slip that is right when h/a = 128 must meet, on every draw, a case that keeps attention's
+    scores (no recomputation) with another head size."""
+    import numpy as np
+
+    from grader.checks.memory import ActivationMemory
+
+    for seed in range(500):
+        cases = ActivationMemory().cases(np.random.default_rng(seed))
+        kept = [args[2] // args[3] for args, kwargs in cases if kwargs.get("recompute", "none") == "none"]
+        assert any(size != 128 for size in kept), (seed, kept)

@@ -11,6 +11,7 @@ no contention, so the model's contention is 0 here.
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 from dtp.common.world import run_world
@@ -187,7 +188,8 @@ def measure_zero3_forward(world_size=2, units=6, numel=2**20, compute_over_gathe
         row.update(depth=depth, peak_bytes=result["peak_bytes"][key], unit_bytes=numel * FLOAT_BYTES,
                    units_alive=model.fsdp_gathered_units_alive(depth, units))
         rows.append(row)
-    return {"rows": rows, "rounds": rounds, "fit": fit, "units": units, "compute_s": compute_s, "gather_s": fit["alpha"] + gather_s(numel),
+    return {"rows": rows, "rounds": rounds, "fit": fit, "units": units, "compute_s": compute_s,
+            "gather_s": fit["alpha"] + gather_s(numel),
             "peak_bytes_handle_kept": result["peak_bytes_handle_kept"],
             "unit_bytes": numel * FLOAT_BYTES, "big_unit": big_unit, "big_factor": big_factor}
 
@@ -282,8 +284,8 @@ def measure_tp_and_ep(world_size=2, numel=2**21, compute_over_comm=0.4, rounds=R
                     model.ep_exposed(c, f, False, a2a["alpha"]), middle[("ep", "serial")]),
                _row("two micro-batches, overlapped", measured[("ep", "overlapped")],
                     model.ep_exposed(c, f, True, a2a["alpha"]), middle[("ep", "overlapped")])]
-    return {"tp_rows": tp_rows, "ep_rows": ep_rows, "rounds": rounds, "fits": fits, "tp_compute_s": w, "ep_compute_s": f,
-            "compute_over_comm": compute_over_comm}
+    return {"tp_rows": tp_rows, "ep_rows": ep_rows, "rounds": rounds, "fits": fits, "tp_compute_s": w,
+            "ep_compute_s": f, "compute_over_comm": compute_over_comm}
 
 
 # --- why the measuring ranks place gloo's threads as they do ---------------------------------
@@ -315,8 +317,6 @@ def measure_event_loop_placement(world_size=2, numel=EVENT_LOOP_NUMEL, pauses=EV
     group, with gloo's TCP event loop on the rank's own core and on the next core (as the page's
     measurements run). Per placement and pause: the median and quartiles of `count` all-reduces,
     as rank 0 timed them from its call to the end of its wait."""
-    import statistics
-
     rows = []
     for label, elsewhere in (("on the rank's core", False), ("on the next core", True)):
         times = run_world(_pause_then_allreduce_rank, world_size, (numel, tuple(pauses), count, elsewhere))[0]

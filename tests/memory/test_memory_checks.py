@@ -1,7 +1,9 @@
 """Every check of the memory chapter rejects plausible wrong answers, naming the mistake."""
+import numpy as np
 import pytest
 
 from conftest import assert_verdict, grade
+from grader.checks.memory import ActivationMemory
 
 PARAM_COUNT = '''
 def gpt_parameter_count(config):
@@ -201,10 +203,6 @@ def test_interview_refuses_the_courses_functions(tmp_notebook):
 def test_every_activation_draw_can_tell_a_formula_that_assumes_head_size_128():
     """A slip that is right when h/a = 128 must meet, on every draw, a case that keeps attention's
     scores (no recomputation) with another head size."""
-    import numpy as np
-
-    from grader.checks.memory import ActivationMemory
-
     for seed in range(500):
         cases = ActivationMemory().cases(np.random.default_rng(seed))
         kept = [args[2] // args[3] for args, kwargs in cases if kwargs.get("recompute", "none") == "none"]

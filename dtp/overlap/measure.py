@@ -102,18 +102,19 @@ def measure_ddp(world_size=2, numel=2**23, backward_over_allreduce=0.5, bucket_c
 def _zero3_rank(rank, world_size, layouts, compute_over_gather, rounds):
     own_core(rank)
     link = one_link()
-    pieces = {n // world_size for units, _ in layouts.values() for n in units}
+    pieces = {n // world_size for units, _, _ in layouts.values() for n in units}
     sizes = sorted(pieces | {min(pieces) // 2, min(pieces) * 2})  # the sizes it gathers, and around them
     first = fit_alpha_beta(link, "all_gather", sizes, FIRST_ESTIMATE_ROUNDS)
     compute_s = compute_over_gather * (first["alpha"] + bandwidth_time(first, min(pieces)))
     programs = fit_programs("all_gather", sizes)
-    for key, (units, depth) in layouts.items():
-        program = model.fsdp_forward_program([n // world_size for n in units], [compute_s] * len(units), depth)
+    for key, (units, depth, computes) in layouts.items():
+        program = model.fsdp_forward_program([n // world_size for n in units], [c * compute_s for c in computes], depth)
         programs[key] = on_gloo(program, "all_gather")
     measured, middle = exposed_summary(programs, link, rounds)
     fit = fit_from(measured, "all_gather", sizes)
-    peaks = {key: _gathered_peak([n // world_size for n in units], depth, compute_s) for key, (units, depth) in layouts.items()}
-    even = next(units for units, _ in layouts.values())
+    peaks = {key: _gathered_peak([n // world_size for n in units], depth, compute_s)
+             for key, (units, depth, _) in layouts.items()}
+    even = next(units for units, _, _ in layouts.values())
     kept = _gathered_peak([n // world_size for n in even], 0, compute_s, keep_handles=True)
     return {"fit": fit, "compute_s": compute_s, "measured": measured, "middle": middle, "peak_bytes": peaks,
             "peak_bytes_handle_kept": kept}
@@ -151,22 +152,27 @@ def _gathered_peak(pieces, depth, compute_s, keep_handles=False) -> int:
     return tracker.peaks.get("start", 0)
 
 
-def measure_zero3_forward(world_size=2, units=6, numel=2**20, compute_over_gather=2.0, depths=(0, 1, 2),
-                          big_unit=3, big_factor=2.5, uneven_depths=(1, 2), rounds=REPEATS) -> dict:
+def measure_zero3_forward(world_size=2, units=6, numel=2**20, compute_over_gather=2.5, depths=(0, 1, 2),
+                          big_unit=3, big_factor=2.5, short_over_gather=0.6, uneven_depths=(1, 2),
+                          rounds=REPEATS) -> dict:
     """ZeRO-3's forward on gloo, every unit's gather waited on before the next is issued, with
-    prefetch depth 0 (gather, wait, compute), 1 and 2; and the same with unit `big_unit` gathering
-    `big_factor` times the bytes (an embedding, or uneven wrapping) at `uneven_depths`. Each unit
-    computes `compute_over_gather` times the fitted gather of an ordinary unit, so that equal
-    units hide all but the first gather and the big one sticks out at depth 1 by half a gather.
-    At depth 2 the big gather, issued one unit earlier, has two computes to hide under; the
-    sizes keep it well inside them, so that the row does not sit where a few per cent of error
-    in a gather's time decides whether it sticks out (a gather 3 times larger under computes of
-    1.5 gathers would: there depth 2 exposes half a gather more per 7 % of error). Per row:
-    measured and modelled exposed time, and the peak bytes of gathered weights."""
+    prefetch depth 0 (gather, wait, compute), 1 and 2; and, at `uneven_depths`, the case deeper
+    prefetch is for: unit `big_unit` gathers `big_factor` times the bytes (an embedding, an uneven
+    wrapping) behind a short compute (the unit before it computes `short_over_gather` gathers).
+    Each other unit computes `compute_over_gather` times the fitted gather g of an ordinary unit,
+    so that equal units hide all but the first gather. The big gather G sticks out at depth 1 by
+    G - short; at depth 2, issued one unit earlier, it has f + short to hide under. Both margins
+    are more than a gather: one gather's time moves by a third from one round to the next here,
+    and a row that is a small difference of two times (2.5 times the bytes under two equal
+    computes of 2 gathers stuck out by 0.1-0.15 f) swings with it; a built page measured that
+    row at 0.61 of the model. Per row: measured and modelled exposed time, and the peak bytes of
+    gathered weights."""
     even = [numel] * units
     uneven = [int(numel * big_factor) if i == big_unit else numel for i in range(units)]
-    layouts = {("even", d): (even, d) for d in depths}
-    layouts.update({("uneven", d): (uneven, d) for d in uneven_depths})
+    short = short_over_gather / compute_over_gather  # in computes of an ordinary unit
+    uneven_computes = [short if i == big_unit - 1 else 1.0 for i in range(units)]
+    layouts = {("even", d): (even, d, [1.0] * units) for d in depths}
+    layouts.update({("uneven", d): (uneven, d, uneven_computes) for d in uneven_depths})
     result = run_world(_zero3_rank, world_size, (layouts, compute_over_gather, rounds))[0]
     fit, compute_s = result["fit"], result["compute_s"]
     launch = fit["launch"]
@@ -176,20 +182,20 @@ def measure_zero3_forward(world_size=2, units=6, numel=2**20, compute_over_gathe
         return bandwidth_time(fit, n // world_size)
 
     rows = []
-    for key, (sizes, depth) in layouts.items():
+    for key, (sizes, depth, computes) in layouts.items():
         if key[0] == "even":
             predicted = model.fsdp_forward_exposed(units, gather_s(numel), compute_s, depth > 0, alpha, launch=launch)
             label = f"depth {depth}" + (", equal units" if depth == 0 else "")
         else:
-            predicted = model.fsdp_forward_exposed_units([alpha + gather_s(n) for n in sizes], [compute_s] * units,
-                                                         depth, launch=launch)
+            predicted = model.fsdp_forward_exposed_units([alpha + gather_s(n) for n in sizes],
+                                                         [c * compute_s for c in computes], depth, launch=launch)
             label = f"depth {depth}, unit {big_unit} {big_factor}x larger"
         row = _row(label, result["measured"][key], predicted, result["middle"][key])
         row.update(depth=depth, peak_bytes=result["peak_bytes"][key], unit_bytes=numel * FLOAT_BYTES,
                    units_alive=model.fsdp_gathered_units_alive(depth, units))
         rows.append(row)
     return {"rows": rows, "rounds": rounds, "fit": fit, "units": units, "compute_s": compute_s,
-            "gather_s": fit["alpha"] + gather_s(numel),
+            "gather_s": fit["alpha"] + gather_s(numel), "short_s": short * compute_s,
             "peak_bytes_handle_kept": result["peak_bytes_handle_kept"],
             "unit_bytes": numel * FLOAT_BYTES, "big_unit": big_unit, "big_factor": big_factor}
 

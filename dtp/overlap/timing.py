@@ -266,12 +266,16 @@ def fit_alpha_beta(link, op: str, sizes, rounds: int = REPEATS) -> dict:
 
 
 def alpha_beta_from_times(numel, times) -> dict:
-    """The least-squares line t = alpha + beta·4n through one collective's times at sizes n
-    (float32 numel per rank); alpha is never below 0 (the line through 0 then)."""
+    """The line t = alpha + beta·4n through one collective's times at sizes n (float32 numel per
+    rank), fitted on relative residuals (each weighted by 1/t): a collective's time moves by a
+    share of itself from round to round, so unweighted least squares let the largest sizes set
+    alpha, the intercept that the many small buckets' rows multiply. alpha is never below 0 (the
+    line through 0 then, again on relative residuals)."""
     nbytes, observed = np.array(numel, dtype=float) * 4, np.array(times, dtype=float)
-    beta, alpha = np.polyfit(nbytes, observed, 1)
+    beta, alpha = np.polyfit(nbytes, observed, 1, w=1 / observed)
     if alpha < 0:
-        alpha, beta = 0.0, float(np.dot(nbytes, observed) / np.dot(nbytes, nbytes))
+        ratio = nbytes / observed  # beta minimising the sum of ((beta·bytes - t) / t)²
+        alpha, beta = 0.0, float(ratio.sum() / (ratio**2).sum())
     return {"alpha": float(alpha), "beta": float(beta)}
 
 

@@ -22,6 +22,19 @@ def test_the_fit_recovers_alpha_and_beta_and_never_a_negative_alpha():
     assert fit["alpha"] == 0.0 and fit["beta"] > 0
 
 
+def test_the_fit_lets_no_one_size_set_alpha():
+    """One size's time off by a tenth, as a round's jitter leaves it: fitted on relative residuals,
+    alpha (which a row of 32 small buckets multiplies by 32) stays within a third of the truth;
+    an unweighted line, which the largest size pulls, would put it at 0."""
+    numel = [2**18 * 2**k for k in range(6)]  # DDP's bucket sizes, 1 to 32 MB per rank
+    alpha, beta = 3e-4, 0.8e-9
+    times = [alpha + beta * 4 * n for n in numel]
+    times[-1] *= 1.1
+    assert timing.alpha_beta_from_times(numel, times)["alpha"] == pytest.approx(alpha, rel=1 / 3)
+    unweighted_intercept = np.polyfit(np.array(numel) * 4.0, times, 1)[1]
+    assert unweighted_intercept < 0
+
+
 def test_the_measured_programs_are_the_models_with_sizes_for_times():
     program = measure.on_gloo(model.ddp_program(2**20, 0.02, 4), "all_reduce")
     assert [step[0] for step in program] == ["compute", "issue"] * 4 + ["wait"] * 4

@@ -171,6 +171,27 @@ MISS_CAUSES = {
 }
 
 
+def step_line(results: list[dict]) -> dict[str, dict[str, float]]:
+    """Several rows of one source at one global batch, on more or fewer DP ranks: the least-squares
+    line step = a·x + c through their steps, x the sequences per pipeline (global batch / DP),
+    for the published steps and for the planner's. a is the time per sequence a pipeline adds,
+    c what a step costs whatever its share of the batch (fill and drain, exposed DP traffic,
+    the optimizer, anything per step the model lacks). The published step is the predicted one
+    times the row's ratio, in any metric."""
+    xs = [result["run"].training.global_batch / result["run"].dp for result in results]
+    if len(set(xs)) < 2:
+        raise ValueError("a step line needs rows with different sequences per pipeline")
+
+    def line(steps):
+        mean_x, mean_y = sum(xs) / len(xs), sum(steps) / len(steps)
+        a = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, steps)) / sum((x - mean_x) ** 2 for x in xs)
+        return {"per_sequence": a, "per_step": mean_y - a * mean_x}
+
+    predicted = [result["row"]["step_time_s"] for result in results]
+    return {"published": line([step * result["ratio"] for step, result in zip(predicted, results)]),
+            "predicted": line(predicted)}
+
+
 def miss_cause(run: PublishedRun) -> str | None:
     return next((cause for start, cause in MISS_CAUSES.items() if run.name.startswith(start)), None)
 

@@ -136,9 +136,15 @@ def ratio_trend(results: list[dict]) -> dict[str, float]:
     GPUs), "intercept", and "spread" (the largest minus the smallest ratio)."""
     xs = [math.log10(result["run"].cluster.gpus) for result in results]
     ys = [result["ratio"] for result in results]
+    slope, intercept = least_squares_line(xs, ys)
+    return {"slope": slope, "intercept": intercept, "spread": max(ys) - min(ys)}
+
+
+def least_squares_line(xs, ys) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line y = slope·x + intercept."""
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    return {"slope": slope, "intercept": mean_y - slope * mean_x, "spread": max(ys) - min(ys)}
+    return slope, mean_y - slope * mean_x
 
 
 # --- the rows outside ±10 %, and why -----------------------------------------------------------------
@@ -183,9 +189,8 @@ def step_line(results: list[dict]) -> dict[str, dict[str, float]]:
         raise ValueError("a step line needs rows with different sequences per pipeline")
 
     def line(steps):
-        mean_x, mean_y = sum(xs) / len(xs), sum(steps) / len(steps)
-        a = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, steps)) / sum((x - mean_x) ** 2 for x in xs)
-        return {"per_sequence": a, "per_step": mean_y - a * mean_x}
+        per_sequence, per_step = least_squares_line(xs, steps)
+        return {"per_sequence": per_sequence, "per_step": per_step}
 
     predicted = [result["row"]["step_time_s"] for result in results]
     return {"published": line([step * result["ratio"] for step, result in zip(predicted, results)]),

@@ -168,15 +168,15 @@ def test_the_zero3_measurement_keeps_the_uneven_rows_off_the_models_edges():
     units, big_unit = defaults["units"], defaults["big_unit"]
 
     def sticks_out_only_at_depth_1(big_factor, compute, short):
+        first_gather_only = 1.0
         for alpha_share in (0.10, 0.175, 0.25):
             big = alpha_share + (1 - alpha_share) * big_factor  # alpha does not grow with the bytes
+            gathers = [big if i == big_unit else 1.0 for i in range(units)]
+            slower = [big * 1.1 if i == big_unit else 1.0 for i in range(units)]
             for error in (0.85, 0.9, 1.0, 1.1, 1.15):
                 computes = [(short if i == big_unit - 1 else compute) * error for i in range(units)]
-                first_gather_only = 1.0
-                slower = [big * 1.1 if i == big_unit else 1.0 for i in range(units)]
                 if model.fsdp_forward_exposed_units(slower, computes, 2) != pytest.approx(first_gather_only):
                     return False
-                gathers = [big if i == big_unit else 1.0 for i in range(units)]
                 if model.fsdp_forward_exposed_units(gathers, computes, 1) < first_gather_only + 1.0:
                     return False
         return True

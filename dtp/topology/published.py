@@ -26,7 +26,9 @@ class PublishedRun:
     training: Training  # the framework's switches, and what the source says of recomputation and batch
     tp: int
     pp: int
-    metric: str  # "megatron_tflops", "model_tflops", "seconds" (per iteration), "tokens" (per second per GPU)
+    # "megatron_tflops" (Narayanan et al. 2021's eq. 3), "megatron_core_tflops" (what Megatron-LM logs),
+    # "model_tflops" (PaLM's 6N + 12Lhs), "seconds" (per iteration), "tokens" (per second per GPU)
+    metric: str
     published: float
     source: str  # a references.bib key
     read_from: str  # "paper", "code" or "copy" (module docstring)
@@ -204,15 +206,17 @@ def dgxc() -> list[PublishedRun]:
 def megatron_core() -> list[PublishedRun]:
     """Megatron-LM's README (Megatron-Core r0.8.0, "Performance Benchmarking"): weak scaling of GPT models
     on H100 with a vocabulary of 131,072 and 4096 tokens, DP 48, `--overlap-grad-reduce
-    --overlap-param-gather --tp-comm-overlap`; MFU against 989 TFLOP/s. Micro-batch size,
-    interleaving and recomputation are not stated."""
+    --overlap-param-gather --tp-comm-overlap`; MFU against 989 TFLOP/s. Its TFLOP/s are what
+    Megatron-LM logs (`validation.megatron_core_flops_per_step`): the table's model sizes count the
+    input embedding (1.7B at h = 2048), its FLOPs do not. Micro-batch size, interleaving and
+    recomputation are not stated."""
     rows = [(16, 2048, 24, 1, 1, 48, 192, 408.8), (32, 4096, 30, 2, 1, 96, 192, 465.9),
             (48, 6144, 32, 4, 1, 192, 192, 489.1), (56, 7168, 48, 8, 1, 384, 192, 459.6),
             (64, 8192, 84, 8, 2, 768, 384, 419.7), (80, 10240, 92, 8, 4, 1536, 768, 420.5),
             (96, 12288, 96, 8, 6, 2304, 1152, 432.8), (128, 16384, 96, 8, 8, 3072, 1536, 474.4),
             (144, 18432, 112, 8, 16, 6144, 3072, 459.9)]
     return [_run(f"Megatron-Core GPT h={hidden:,}, {gpus:,} GPUs", gpt(layers, hidden, heads, vocab=131072, seq=4096),
-                 clusters.cluster("h100", gpus), "megatron-core", batch, tp=tp, pp=pp, metric="model_tflops",
+                 clusters.cluster("h100", gpus), "megatron-core", batch, tp=tp, pp=pp, metric="megatron_core_tflops",
                  published=tflops, source="megatroncore2024readme", read_from="paper", zero_stages=(1,))
             for heads, hidden, layers, tp, pp, gpus, batch, tflops in rows]
 

@@ -32,6 +32,21 @@ def megatron_flops_per_step(model: ModelShape, batch: int) -> float:
     return 96 * batch * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
 
 
+def megatron_core_flops_per_step(model: ModelShape, batch: int) -> float:
+    """The FLOPs per iteration Megatron-LM logs as its "throughput per GPU (TFLOP/s/GPU)"
+    (`num_floating_point_operations` in megatron/training/training.py, as of commit f2e5db402c,
+    2024-07-15, the one that published the README's H100 table): 12·B·s·L·h²·((1 + g/a + s/h)·q/h
+    + (f/h)·k·(3/2 if gated) + V/(2Lh)), g the K/V heads, a the heads, q = a·(h/a), f the MLP's
+    width, k the experts a token uses. Per token that is 6·(the layers' matrices + h·V) plus
+    attention's full 12·L·h·s: the output layer counts, the input embedding does not."""
+    s, l, h, v = model.seq, model.layers, model.hidden, model.vocab
+    heads = model.heads
+    attention = (1 + (model.kv_heads or heads) / heads + s / h) * (heads * (h // heads)) / h
+    width = model.expert_width if model.is_moe else model.mlp_width
+    mlp = width / h * (model.top_k if model.is_moe else 1) * (3 / 2 if model.gated else 1)
+    return 12 * batch * s * l * h**2 * (attention + mlp + v / (2 * l * h))
+
+
 def causal_model_flops_per_token(model: ModelShape) -> float:
     """Model FLOPs per token with a causal mask: 6N for the weights, and half of PaLM's 12·L·h·s for
     attention's QKᵀ and AV (the masked half is neither needed nor, with flash attention, computed)."""
@@ -39,15 +54,17 @@ def causal_model_flops_per_token(model: ModelShape) -> float:
 
 
 def throughput(run: PublishedRun, seconds: float, metric: str | None = None) -> float:
-    """A step of `seconds` in the run's metric: TFLOP/s per GPU by Megatron's count (recomputation
-    counted), by PaLM's model FLOPs (6N + 12·L·h·s per token) or the causal count, tokens per
-    second per GPU, or the seconds themselves."""
+    """A step of `seconds` in the run's metric: TFLOP/s per GPU by Megatron's 2021 count
+    (recomputation counted), as Megatron-LM logs them, by PaLM's model FLOPs (6N + 12·L·h·s per
+    token) or the causal count, tokens per second per GPU, or the seconds themselves."""
     metric = metric or run.metric
     gpus, batch, model = run.cluster.gpus, run.training.global_batch, run.model
     if metric == "seconds":
         return seconds
     if metric == "megatron_tflops":
         return megatron_flops_per_step(model, batch) / (gpus * seconds) / 1e12
+    if metric == "megatron_core_tflops":
+        return megatron_core_flops_per_step(model, batch) / (gpus * seconds) / 1e12
     if metric == "model_tflops":
         per_token = memory.model_flops_per_token(parameter_counts(model)["active"], model.layers, model.hidden,
                                                  model.seq)

@@ -116,3 +116,23 @@ def test_a_step_line_splits_a_step_into_a_time_per_sequence_and_a_cost_per_step(
     # a line needs rows that differ in sequences per pipeline (NeMo's rows grow the batch with the GPUs)
     with pytest.raises(ValueError, match="different sequences per pipeline"):
         validation.step_line(mt_nlg[:1] * 2)
+
+
+def test_megatron_core_rows_count_flops_as_megatron_logs_them():
+    """Megatron-Core's README table prints the TFLOP/s Megatron-LM logs: per token 6 x (the layers'
+    matrices + the output layer, h·V) + attention's 12·L·h·s, the input embedding not counted (it is
+    a lookup). For the 1.7B row PaLM's 6N + 12Lhs with N counting the embedding would be 15 % more
+    FLOPs, enough to move its ratio by as much; a Llama shape's grouped K/V and three SwiGLU matrices
+    count as their parameters do."""
+    run = published.megatron_core()[0]
+    model, batch = run.model, run.training.global_batch
+    l, h, s, v = model.layers, model.hidden, model.seq, model.vocab
+    per_token = validation.megatron_core_flops_per_step(model, batch) / (batch * s)
+    assert per_token == pytest.approx(6 * (12 * l * h * h + h * v) + 12 * l * h * s, rel=1e-12)
+    assert run.metric == "megatron_core_tflops"
+    palm = validation.throughput(run, 1.0, "model_tflops") / validation.throughput(run, 1.0)
+    assert palm > 1.14
+    llama = published.LLAMA3_405B
+    l, h, s, v, f, kv = llama.layers, llama.hidden, llama.seq, llama.vocab, llama.mlp_width, llama.kv_hidden
+    per_token = validation.megatron_core_flops_per_step(llama, 1) / s
+    assert per_token == pytest.approx(6 * (l * (2 * h * h + 2 * h * kv + 3 * h * f) + h * v) + 12 * l * h * s)

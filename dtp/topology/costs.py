@@ -29,12 +29,17 @@ ELEMENTWISE_PASSES = 5  # forward: write + read; backward: read, write the gradi
 FLASH_BACKWARD_OVER_FORWARD = 2.5
 
 
+def gemm_intensity(m: float, n: float, k: float, bytes_per_value: int = 2) -> float:
+    """FLOPs per byte of HBM traffic of a product of (m x k) by (k x n): both operands read, the
+    result written once."""
+    return 2 * m * n * k / (bytes_per_value * (m * k + k * n + m * n))
+
+
 def gemm_seconds(m: float, n: float, k: float, peak_flops: float, hbm_bytes_per_s: float, ceiling: float,
                  batch: float = 1, bytes_per_value: int = 2) -> float:
     """Roofline time of `batch` products of (m x k) by (k x n)."""
     flops = 2 * m * n * k
-    intensity = flops / (bytes_per_value * (m * k + k * n + m * n))
-    return batch * flops / min(ceiling * peak_flops, intensity * hbm_bytes_per_s)
+    return batch * flops / min(ceiling * peak_flops, gemm_intensity(m, n, k, bytes_per_value) * hbm_bytes_per_s)
 
 
 def layer_gemms(model, training, layout) -> list[tuple[float, float, float, float]]:
